@@ -1,0 +1,43 @@
+# Everything a fresh machine needs, in one place. `make demo` and `make test` run `make setup` first.
+#   setup   Python venv with the package, PyTorch (CPU) and the dev tools; the native helpers; CRIU 4.2
+#           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt)
+#   test    the default test suite (what CI runs)
+#   demo    the main job: snapshot, stop and restore a small DDP job, compared bit for bit
+#   lint    ruff and mypy --strict
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN = $(VENV)/bin
+
+.PHONY: setup venv native criu test demo lint clean
+
+setup: venv native criu
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)" numpy matplotlib
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+native:
+	$(MAKE) -C native
+
+criu: venv
+	$(BIN)/cryosleep criu install
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/cryosleep demo
+
+lint: venv
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
+
+clean:
+	$(MAKE) -C native clean
+	rm -rf $(VENV)

@@ -1,0 +1,235 @@
+/*
+ * cryosleep-init: PID 1 of a Cryosleep sandbox.
+ *
+ *   cryosleep-init --spawn -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]
+ *
+ * With --spawn the program unshares a new PID namespace, forks the init into it and prints the init's
+ * host PID on stdout before exiting, so that the init is re-parented to the caller (which must be a
+ * child subreaper, PR_SET_CHILD_SUBREAPER). A restored sandbox reaches the caller the same way (CRIU
+ * restores it detached), so the agent supervises fresh and restored sandboxes alike.
+ *
+ * The init calls setsid() (CRIU refuses a tree whose session leader is outside its PID namespace),
+ * starts NPROC workers with LOCAL_RANK=i, RANK=RANK_BASE+i (and torchrun's ROLE_RANK), stdin on /dev/null
+ * and stdout/stderr appended to LOG_DIR/rank-<RANK>.log, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2
+ * to them, reaps every process (orphans included), and writes each worker's exit status to
+ * LOG_DIR/rank-<RANK>.exit. When a worker fails the others are sent SIGTERM, then SIGKILL after
+ * CRYOSLEEP_KILL_GRACE_S seconds (default 10), like torchrun. It exits with the first failing worker's code
+ * (128+signal for a signal), or 0 when all succeeded.
+ *
+ * It holds no file open while it waits, so a snapshot sees only the workers' own files.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_WORKERS 1024
+
+static pid_t workers[MAX_WORKERS];
+static int worker_rank[MAX_WORKERS];
+static int nworkers;
+static volatile sig_atomic_t pending_signal;
+static volatile sig_atomic_t alarm_fired;
+
+static void on_signal(int sig) { pending_signal = sig; }
+static void on_alarm(int sig) { (void)sig; alarm_fired = 1; }
+
+static void die(const char *what) {
+	fprintf(stderr, "cryosleep-init: %s: %s\n", what, strerror(errno));
+	_exit(127);
+}
+
+static void usage(void) {
+	fprintf(stderr, "usage: cryosleep-init [--spawn] -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]\n");
+	exit(2);
+}
+
+static void write_exit_file(const char *log_dir, int rank, int status) {
+	char path[4096], text[64];
+	int fd, len;
+
+	snprintf(path, sizeof(path), "%s/rank-%d.exit", log_dir, rank);
+	if (WIFEXITED(status))
+		len = snprintf(text, sizeof(text), "exit %d\n", WEXITSTATUS(status));
+	else
+		len = snprintf(text, sizeof(text), "signal %d\n", WTERMSIG(status));
+	fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	if (fd < 0)
+		return;
+	if (write(fd, text, (size_t)len) != len)
+		fprintf(stderr, "cryosleep-init: short write to %s\n", path);
+	close(fd);
+}
+
+static pid_t start_worker(int local_rank, int rank, const char *log_dir, char **argv) {
+	char path[4096], buf[32];
+	pid_t pid = fork();
+
+	if (pid < 0)
+		die("fork");
+	if (pid > 0)
+		return pid;
+
+	sigset_t none;
+	sigemptyset(&none);
+	sigprocmask(SIG_SETMASK, &none, NULL);
+	for (int s = 1; s < NSIG; s++)
+		signal(s, SIG_DFL);
+
+	snprintf(buf, sizeof(buf), "%d", local_rank);
+	setenv("LOCAL_RANK", buf, 1);
+	snprintf(buf, sizeof(buf), "%d", rank);
+	setenv("RANK", buf, 1);
+	setenv("ROLE_RANK", buf, 1);
+
+	int null = open("/dev/null", O_RDONLY);
+	snprintf(path, sizeof(path), "%s/rank-%d.log", log_dir, rank);
+	int log = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+	if (null < 0 || log < 0)
+		die(path);
+	if (dup2(null, 0) < 0 || dup2(log, 1) < 0 || dup2(log, 2) < 0)
+		die("dup2");
+	close(null);
+	close(log);
+	execvp(argv[0], argv);
+	fprintf(stderr, "cryosleep-init: cannot run %s: %s\n", argv[0], strerror(errno));
+	_exit(127);
+}
+
+static void signal_workers(int sig) {
+	for (int i = 0; i < nworkers; i++)
+		if (workers[i] > 0)
+			kill(workers[i], sig);
+}
+
+static int run_init(int nproc, int rank_base, const char *log_dir, char **argv) {
+	int result = 0, failed = 0, alive;
+	struct timespec kill_at = {0, 0};
+	const char *grace_env = getenv("CRYOSLEEP_KILL_GRACE_S");
+	int grace = grace_env ? atoi(grace_env) : 10;
+
+	if (setsid() < 0 && getpid() != getsid(0))
+		die("setsid");
+	prctl(PR_SET_NAME, "cryosleep-init", 0, 0, 0);
+
+	struct sigaction sa;
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = on_signal;
+	sigaction(SIGTERM, &sa, NULL);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGHUP, &sa, NULL);
+	sigaction(SIGUSR1, &sa, NULL);
+	sigaction(SIGUSR2, &sa, NULL);
+
+	nworkers = nproc;
+	for (int i = 0; i < nproc; i++) {
+		worker_rank[i] = rank_base + i;
+		workers[i] = start_worker(i, rank_base + i, log_dir, argv);
+	}
+
+	alive = nproc;
+	while (alive > 0) {
+		int status;
+		pid_t pid = waitpid(-1, &status, 0);
+
+		if (pending_signal) {
+			int sig = pending_signal;
+			pending_signal = 0;
+			signal_workers(sig);
+		}
+		if (pid < 0) {
+			if (errno == EINTR) {
+				if (alarm_fired && kill_at.tv_sec) {
+					alarm_fired = 0;
+					struct timespec now;
+					clock_gettime(CLOCK_MONOTONIC, &now);
+					if (now.tv_sec >= kill_at.tv_sec)
+						signal_workers(SIGKILL);
+					else
+						alarm(1);
+				}
+				continue;
+			}
+			if (errno == ECHILD)
+				break;
+			die("waitpid");
+		}
+		for (int i = 0; i < nworkers; i++) {
+			if (workers[i] != pid)
+				continue;
+			workers[i] = 0;
+			alive--;
+			write_exit_file(log_dir, worker_rank[i], status);
+			int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+			if (code != 0 && !failed) {
+				failed = 1;
+				result = code;
+				signal_workers(SIGTERM);
+				clock_gettime(CLOCK_MONOTONIC, &kill_at);
+				kill_at.tv_sec += grace;
+				struct sigaction al;
+				memset(&al, 0, sizeof(al));
+				al.sa_handler = on_alarm;
+				sigaction(SIGALRM, &al, NULL);
+				alarm(1);
+			}
+		}
+	}
+	return result;
+}
+
+int main(int argc, char **argv) {
+	int spawn = 0, nproc = -1, rank_base = 0, i;
+	const char *log_dir = NULL;
+
+	for (i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--spawn"))
+			spawn = 1;
+		else if (!strcmp(argv[i], "-n") && i + 1 < argc)
+			nproc = atoi(argv[++i]);
+		else if (!strcmp(argv[i], "-b") && i + 1 < argc)
+			rank_base = atoi(argv[++i]);
+		else if (!strcmp(argv[i], "-l") && i + 1 < argc)
+			log_dir = argv[++i];
+		else if (!strcmp(argv[i], "--")) {
+			i++;
+			break;
+		} else
+			usage();
+	}
+	if (nproc < 1 || nproc > MAX_WORKERS || !log_dir || i >= argc)
+		usage();
+
+	if (spawn) {
+		if (unshare(CLONE_NEWPID) < 0)
+			die("unshare(CLONE_NEWPID)");
+		pid_t pid = fork();
+		if (pid < 0)
+			die("fork");
+		if (pid > 0) {
+			printf("%d\n", pid);
+			fflush(stdout);
+			_exit(0);
+		}
+		/* In the new namespace: stdout was the spawner's pipe; nothing of it is kept. */
+		int null = open("/dev/null", O_RDWR);
+		if (null < 0)
+			die("/dev/null");
+		dup2(null, 0);
+		dup2(null, 1);
+		dup2(null, 2);
+		if (null > 2)
+			close(null);
+	}
+	return run_init(nproc, rank_base, log_dir, &argv[i]);
+}

@@ -1,0 +1,1 @@
+"""The node agent: launches workers in a capturable sandbox, supervises them, executes snapshots."""

@@ -1,0 +1,336 @@
+"""The node agent: starts (or restores) a job's sandbox, supervises it, and executes snapshots.
+
+One agent per job per node. It is a child subreaper, so the sandbox's init (started through
+``cryosleep-init --spawn`` or restored detached by CRIU) becomes its child either way. It streams the
+workers' output, prefixed by rank, answers its control socket (snapshot, status), forwards SIGINT/SIGTERM
+to the workers, and exits with the job's exit code (``EXIT_SUSPENDED`` after a stop snapshot).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from cryosleep import paths
+from cryosleep.agent import proctree
+from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
+from cryosleep.capture import restore as capture_restore
+from cryosleep.capture import snapshot as capture_snapshot
+from cryosleep.errors import Busy, CryosleepError, NotFound, UsageError
+from cryosleep.store.local import LocalStore
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def worker_env(spec: JobSpec) -> dict[str, str]:
+    """torchrun's environment for the workers, plus what capture needs (RANK/LOCAL_RANK come from init)."""
+    env = dict(spec.env)
+    env.update({
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
+        "ROLE_WORLD_SIZE": str(spec.world_size),
+        "GROUP_RANK": str(spec.node_rank),
+        "GROUP_WORLD_SIZE": str(spec.nnodes),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(spec.master_port),
+        "TORCHELASTIC_RUN_ID": spec.run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        # PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump (FACTS.md).
+        "USE_LIBUV": "0",
+        "CRYOSLEEP_JOB": spec.name,
+    })
+    if spec.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
+    return env
+
+
+def runtime_facts(program: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Python and torch versions of the workers' interpreter (recorded in every manifest)."""
+    if not program or "python" not in Path(program[0]).name:
+        return {}
+    code = (
+        "import json, platform, importlib.metadata as m\n"
+        "v = {'python': platform.python_version()}\n"
+        "try:\n v['torch'] = m.version('torch')\nexcept Exception:\n pass\n"
+        "print(json.dumps(v))"
+    )
+    try:
+        out = subprocess.run([program[0], "-c", code], capture_output=True, text=True, env=env, timeout=30,
+                             check=True)
+        facts: dict[str, Any] = json.loads(out.stdout)
+        return facts
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+
+
+class LogTail:
+    """Follows the per-rank log files and prints new complete lines, prefixed by rank."""
+
+    def __init__(self, job: JobDir, ranks: list[int], out: TextIO | None, from_end: bool = False) -> None:
+        self.job = job
+        self.out = out
+        self.offsets: dict[int, int] = {}
+        self.partial: dict[int, bytes] = {}
+        for r in ranks:
+            p = job.rank_log(r)
+            self.offsets[r] = p.stat().st_size if (from_end and p.exists()) else 0
+            self.partial[r] = b""
+
+    def poll(self, final: bool = False) -> None:
+        for r in self.offsets:
+            p = self.job.rank_log(r)
+            try:
+                with open(p, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size < self.offsets[r]:  # truncated (a restore put it back): follow from there
+                        self.offsets[r] = size
+                        self.partial[r] = b""
+                    f.seek(self.offsets[r])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            if not data and not (final and self.partial[r]):
+                continue
+            self.offsets[r] += len(data)
+            buf = self.partial[r] + data
+            lines = buf.split(b"\n")
+            self.partial[r] = lines.pop()
+            if final and self.partial[r]:
+                lines.append(self.partial[r])
+                self.partial[r] = b""
+            if self.out is not None:
+                for line in lines:
+                    self.out.write(f"[rank{r}]: {line.decode(errors='replace')}\n")
+                self.out.flush()
+
+
+class Agent:
+    def __init__(self, job: JobDir, spec: JobSpec, *, out: TextIO | None) -> None:
+        self.job = job
+        self.spec = spec
+        self.out = out
+        self.state = JobState(agent_pid=os.getpid())
+        self.runtime: dict[str, Any] = {}
+        self.lock_fd = -1
+        self.snap_lock = threading.Lock()
+        self.state_lock = threading.Lock()
+        self.tail: LogTail | None = None
+        self.suspended_in: str | None = None
+        self._stopping = False
+        self._server: socket.socket | None = None
+        self._signals = 0
+        self._handlers: list[threading.Thread] = []
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        with self.state_lock:
+            self.job.write(self.spec, self.state)
+
+    def launch(self) -> None:
+        """Start the job fresh: a new sandbox with nproc workers."""
+        become_subreaper()
+        self.lock_fd = self.job.take_lock()
+        init = paths.native_dir() / "cryosleep-init"
+        if not os.access(init, os.X_OK):
+            raise CryosleepError(f"the sandbox init {init} is missing", "the native helpers were not built",
+                                 "run `make setup` (or `make -C native`)")
+        self.job.logs.mkdir(parents=True, exist_ok=True)
+        for r in self.spec.ranks:
+            self.job.rank_log(r).unlink(missing_ok=True)
+            (self.job.logs / f"rank-{r}.exit").unlink(missing_ok=True)
+        env = worker_env(self.spec)
+        self.runtime = runtime_facts(self.spec.program, env)
+        self.state = JobState(agent_pid=os.getpid())
+        self._save()
+        cmd = [str(init), "--spawn", "-n", str(self.spec.nproc_per_node), "-b", str(self.spec.ranks[0]),
+               "-l", str(self.job.logs), "--", *self.spec.program]
+        try:
+            res = subprocess.run(cmd, env=env, cwd=self.spec.cwd, capture_output=True, text=True, check=True)
+        except subprocess.CalledProcessError as e:
+            raise CryosleepError("the job's sandbox could not be started", e.stderr.strip(),
+                                 "run `cryosleep check` to see what this machine lacks") from e
+        self.state.init_pid = int(res.stdout.strip())
+        self.state.state = "running"
+        self._save()
+        self.tail = LogTail(self.job, self.spec.ranks, self.out)
+
+    def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
+                timeout: float = 600.0) -> capture_restore.Restored:
+        """Bring the job back from a snapshot into a fresh sandbox."""
+        become_subreaper()
+
+        def lock(manifest: Any) -> None:
+            self.lock_fd = self.job.take_lock()
+
+        restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
+                                           progress=progress, before_criu=lock)
+        self.spec = restored.spec
+        self.runtime = {k: v for k, v in restored.manifest.host.items() if k in ("python", "torch")}
+        self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
+                              restored_from=restored.manifest.id)
+        self._save()
+        self.tail = LogTail(self.job, self.spec.ranks, self.out, from_end=True)
+        return restored
+
+    # -- supervising ------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        sig = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
+        try:
+            os.kill(self.state.init_pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def serve(self) -> int:
+        """Supervise until the job ends; returns its exit code (EXIT_SUSPENDED after a stop snapshot)."""
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, self._on_signal)
+        threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+        init = self.state.init_pid
+        status = 0
+        try:
+            while True:
+                if self.tail:
+                    self.tail.poll()
+                pid, status = os.waitpid(init, os.WNOHANG)
+                if pid == init:
+                    break
+                time.sleep(0.05)
+        finally:
+            self._stopping = True
+            if self._server is not None:
+                self._server.close()
+            self.job.socket.unlink(missing_ok=True)
+        if self.tail:
+            self.tail.poll(final=True)
+        code = os.waitstatus_to_exitcode(status)
+        code = 128 - code if code < 0 else code
+        for t in list(self._handlers):  # a stop snapshot finishing its bookkeeping and its answer
+            t.join(timeout=120)
+        st = self.state
+        st.ended_at = time.time()
+        if self.suspended_in:
+            st.state, st.exit_code = "suspended", EXIT_SUSPENDED
+            st.detail = f"suspended in snapshot {self.suspended_in}"
+            code = EXIT_SUSPENDED
+        else:
+            st.state = "exited" if code == 0 else "failed"
+            st.exit_code = code
+            st.detail = self._failure_detail() if code else ""
+        self._save()
+        return code
+
+    def _failure_detail(self) -> str:
+        parts = []
+        for r in self.spec.ranks:
+            p = self.job.logs / f"rank-{r}.exit"
+            if p.exists():
+                what = p.read_text().strip()
+                if what != "exit 0":
+                    parts.append(f"rank {r}: {what}")
+        return "; ".join(parts)
+
+    # -- control socket ---------------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        path = self.job.socket
+        path.unlink(missing_ok=True)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(str(path))
+        os.chmod(path, 0o600)
+        srv.listen(8)
+        self._server = srv
+        while not self._stopping:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            self._handlers.append(t)
+            t.start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rwb") as f:
+            def send(msg: dict[str, Any]) -> None:
+                try:
+                    f.write(json.dumps(msg).encode() + b"\n")
+                    f.flush()
+                except OSError:
+                    pass
+
+            try:
+                req = json.loads(f.readline() or b"{}")
+                op = req.get("op")
+                if op == "status":
+                    send({"result": {"spec": self.spec.to_json(), "state": self.state.to_json()}})
+                elif op == "snapshot":
+                    send({"result": self.snapshot(req, send)})
+                else:
+                    raise UsageError(f"unknown control request {op!r}", "", "upgrade the cryosleep CLI")
+            except CryosleepError as e:
+                send({"error": e.to_json()})
+            except Exception as e:  # never let a bad request kill the agent
+                send({"error": CryosleepError(f"the agent failed: {type(e).__name__}: {e}").to_json()})
+
+    def snapshot(self, req: dict[str, Any], send: Any) -> dict[str, Any]:
+        if not self.snap_lock.acquire(blocking=False):
+            raise Busy(
+                f"a snapshot of job {self.spec.name!r} is already in progress",
+                f"started as {self.state.snapshot_in_progress or 'another request'}",
+                "wait for it to finish, then try again",
+            )
+        try:
+            if self._stopping or not proctree.alive(self.state.init_pid):
+                raise NotFound(f"job {self.spec.name!r} has already exited", "there is nothing to capture",
+                               "restore one of its snapshots to run it again")
+            stop = bool(req.get("stop", False))
+            store = LocalStore(Path(req.get("store") or paths.default_store()))
+            self.state.snapshot_in_progress = "stop" if stop else "keep-running"
+            self._save()
+
+            def progress(phase: str, status: str, seconds: float | None) -> None:
+                send({"event": "phase", "phase": phase, "status": status, "seconds": seconds})
+
+            def end(sid: str) -> None:
+                self.suspended_in = sid
+                os.kill(self.state.init_pid, signal.SIGKILL)
+
+            target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
+                                             restored_from=self.state.restored_from, end=end)
+            manifest = capture_snapshot.take(
+                target, store, stop=stop, timeout=float(req.get("timeout") or 600.0), progress=progress,
+                fault=req.get("fault") or os.environ.get("CRYOSLEEP_FAULT") or None,
+            )
+            self.state.last_snapshot = manifest.id
+            return {
+                "snapshot": manifest.id,
+                "job": self.spec.name,
+                "mode": manifest.mode,
+                "pause_s": manifest.pause_s,
+                "bytes": manifest.bytes,
+                "rss_bytes": sum(n.rss_bytes for n in manifest.nodes),
+                "phases": manifest.phases,
+                "store": str(store.root),
+            }
+        finally:
+            self.state.snapshot_in_progress = None
+            self._save()
+            self.snap_lock.release()

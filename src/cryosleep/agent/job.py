@@ -1,0 +1,190 @@
+"""A job on this node: its spec, its directory and its recorded state.
+
+Each job has a directory ``$CRYOSLEEP_HOME/jobs/<name>/``::
+
+    job.json      the spec and the state, rewritten atomically by the agent
+    agent.lock    flock()ed by the live agent: a job whose lock is free has no agent
+    agent.sock    the agent's control socket (snapshot, status)
+    agent.log     the agent's own output when detached
+    logs/         rank-<R>.log (the worker's stdout and stderr) and rank-<R>.exit
+
+The log paths are part of the workers' captured state (their open files), so a snapshot restores under the
+same job name, into the same paths.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryosleep import paths
+from cryosleep.errors import NotFound, UsageError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+# Exit code of `cryosleep run`/`restore` when the job was suspended by a stop snapshot (EX_TEMPFAIL):
+# the job did not finish, and can be restored.
+EXIT_SUSPENDED = 75
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise UsageError(
+            f"invalid job name {name!r}",
+            "a job name is 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit",
+            "choose another --name",
+        )
+    return name
+
+
+@dataclass
+class JobSpec:
+    """What a job is: enough to describe it, relaunch its agent, and check a restore target."""
+
+    name: str
+    program: list[str]
+    cwd: str
+    env: dict[str, str]
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    run_id: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def ranks(self) -> list[int]:
+        base = self.node_rank * self.nproc_per_node
+        return list(range(base, base + self.nproc_per_node))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobSpec:
+        return cls(**data)
+
+
+@dataclass
+class JobState:
+    """What the job is doing now, as the agent last recorded it."""
+
+    state: str = "starting"  # starting | running | suspended | exited | failed | lost
+    agent_pid: int = 0
+    init_pid: int = 0
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+    exit_code: int | None = None
+    detail: str = ""
+    restored_from: str | None = None
+    last_snapshot: str | None = None
+    snapshot_in_progress: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class JobDir:
+    def __init__(self, name: str, root: Path | None = None) -> None:
+        self.name = check_name(name)
+        self.path = (root or paths.jobs_dir()) / name
+
+    @property
+    def spec_file(self) -> Path:
+        return self.path / "job.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / "agent.lock"
+
+    @property
+    def socket(self) -> Path:
+        return self.path / "agent.sock"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def agent_log(self) -> Path:
+        return self.path / "agent.log"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    def exists(self) -> bool:
+        return self.spec_file.exists()
+
+    def write(self, spec: JobSpec, st: JobState) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.spec_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"spec": spec.to_json(), "state": st.to_json()}, indent=2))
+        os.replace(tmp, self.spec_file)
+
+    def read(self) -> tuple[JobSpec, JobState]:
+        try:
+            data = json.loads(self.spec_file.read_text())
+        except FileNotFoundError:
+            raise NotFound(
+                f"no job named {self.name!r} on this machine",
+                f"{self.spec_file} does not exist",
+                "list jobs with `cryosleep jobs`",
+            ) from None
+        st = JobState(**data["state"])
+        if st.state in ("starting", "running") and not self.agent_alive():
+            st.state = "lost"
+            st.detail = "its agent is gone (killed?); restore a snapshot to bring it back"
+        return JobSpec.from_json(data["spec"]), st
+
+    def agent_alive(self) -> bool:
+        """True when an agent holds this job's lock."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def take_lock(self) -> int:
+        """Lock the job for this agent; the fd stays open (CLOEXEC) for the agent's life."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(
+                f"job {self.name!r} is already running on this machine",
+                f"another agent holds {self.lock_file}",
+                "pick another --name, or stop that job first",
+            ) from None
+        return fd
+
+
+def list_jobs(root: Path | None = None) -> list[tuple[JobSpec, JobState]]:
+    base = root or paths.jobs_dir()
+    out: list[tuple[JobSpec, JobState]] = []
+    if not base.exists():
+        return out
+    for d in sorted(base.iterdir()):
+        if (d / "job.json").exists():
+            try:
+                out.append(JobDir(d.name, base).read())
+            except (ValueError, KeyError, TypeError, UsageError):
+                continue
+    return out

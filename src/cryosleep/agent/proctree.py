@@ -1,0 +1,137 @@
+"""Reading a process tree and what its processes hold, from /proc."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
+        except OSError:
+            continue
+        out.extend(int(x) for x in text.split())
+    return out
+
+
+def tree(root: int) -> list[int]:
+    """Every process of the tree rooted at ``root``, root first (parents before children)."""
+    order: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop(0)
+        if not Path(f"/proc/{pid}").exists():
+            continue
+        order.append(pid)
+        todo.extend(children(pid))
+    return order
+
+
+def alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+def state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def ns_pid(pid: int) -> int | None:
+    """The PID of ``pid`` inside its own (innermost) PID namespace."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except OSError:
+        return None
+    return None
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        if b"=" in item:
+            k, v = item.split(b"=", 1)
+            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    return env
+
+
+@dataclass(frozen=True)
+class OpenFile:
+    pid: int
+    fd: int
+    target: str  # readlink of /proc/PID/fd/FD: a path, or "socket:[ino]", "anon_inode:[io_uring]", ...
+    flags: int
+
+    @property
+    def writable(self) -> bool:
+        return (self.flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+
+    @property
+    def is_path(self) -> bool:
+        return self.target.startswith("/")
+
+
+def open_files(pid: int) -> list[OpenFile]:
+    out: list[OpenFile] = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for name in fds:
+        fd = int(name)
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            flags = 0
+            for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+                if line.startswith("flags:"):
+                    flags = int(line.split()[1], 8)
+        except OSError:
+            continue
+        out.append(OpenFile(pid, fd, target, flags))
+    return out
+
+
+def maps_paths(pid: int) -> set[str]:
+    """Paths of files mapped into ``pid``."""
+    paths: set[str] = set()
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return paths
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            paths.add(parts[5])
+    return paths
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0

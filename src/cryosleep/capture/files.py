@@ -1,0 +1,137 @@
+"""Files the job writes: staged at the dump, brought back to their state at the snapshot on restore.
+
+CRIU restores a process's open files by path and trusts they are as they were. A job keeps appending to
+its logs after a keep-running snapshot, so restoring that older snapshot must first put every such file
+back to its size and content at the dump (otherwise the restored job would carry on after lines it never
+wrote, or CRIU refuses the restore). The copy is taken while CRIU holds the tree frozen (its post-dump
+hook), so it is exactly what CRIU saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+from cryosleep.agent import proctree
+from cryosleep.errors import RestoreFailed
+from cryosleep.store.manifest import StagedFile
+
+# Files up to this size are copied whole into the snapshot; larger ones are restored by truncation alone
+# (after checking that the bytes before the cut are unchanged).
+DEFAULT_COPY_LIMIT = 256 * 1024 * 1024
+TAIL = 64 * 1024
+STAGED_INDEX = "staged.json"
+
+
+def writable_files(root_pid: int) -> list[str]:
+    """Regular files held open for writing by any process of the tree, each path once, in tree order."""
+    seen: dict[str, None] = {}
+    for pid in proctree.tree(root_pid):
+        for f in proctree.open_files(pid):
+            if not (f.is_path and f.writable) or f.target.endswith(" (deleted)"):
+                continue
+            try:
+                st = os.stat(f.target)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                seen.setdefault(f.target, None)
+    return list(seen)
+
+
+def _hash_range(path: str, start: int, end: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT) -> list[StagedFile]:
+    """Copy (or fingerprint) every writable file of the frozen tree into ``dest``; write the index."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out: list[StagedFile] = []
+    for i, path in enumerate(writable_files(root_pid)):
+        st = os.stat(path)
+        size = st.st_size
+        tail_len = min(TAIL, size)
+        tail = _hash_range(path, size - tail_len, size)
+        staged: str | None = None
+        digest: str | None = None
+        if size <= copy_limit:
+            name = f"{i:04d}"
+            with open(path, "rb") as src, open(dest / name, "wb") as dst:
+                left = size
+                while left > 0:
+                    n = os.copy_file_range(src.fileno(), dst.fileno(), left)
+                    if n == 0:
+                        break
+                    left -= n
+            digest = _hash_range(str(dest / name), 0, size)
+            staged = name
+        out.append(StagedFile(path=path, size=size, mode=stat.S_IMODE(st.st_mode), staged=staged,
+                              sha256=digest, tail_sha256=tail, tail_len=tail_len))
+    (dest / STAGED_INDEX).write_text(json.dumps([s.__dict__ for s in out], indent=1))
+    return out
+
+
+def read_index(dest: Path) -> list[StagedFile]:
+    index = dest / STAGED_INDEX
+    if not index.exists():
+        return []
+    return [StagedFile(**d) for d in json.loads(index.read_text())]
+
+
+def plan_restore(staged: list[StagedFile], files_dir: Path) -> list[str]:
+    """Problems that would stop bringing the files back (checked before anything is changed)."""
+    problems: list[str] = []
+    for s in staged:
+        if s.staged is not None:
+            if not (files_dir / s.staged).exists():
+                problems.append(f"{s.path}: its copy {s.staged} is missing from the snapshot")
+            continue
+        try:
+            size = os.stat(s.path).st_size
+        except FileNotFoundError:
+            problems.append(f"{s.path}: missing, and too large ({s.size} bytes) to have been copied")
+            continue
+        if size < s.size:
+            problems.append(f"{s.path}: now {size} bytes, shorter than at the snapshot ({s.size})")
+        elif s.tail_sha256 and _hash_range(s.path, s.size - s.tail_len, s.size) != s.tail_sha256:
+            problems.append(f"{s.path}: its content before byte {s.size} changed since the snapshot")
+    return problems
+
+
+def restore(staged: list[StagedFile], files_dir: Path) -> None:
+    """Put every staged file back to its state at the snapshot (call plan_restore first)."""
+    problems = plan_restore(staged, files_dir)
+    if problems:
+        raise RestoreFailed(
+            "files the job had open cannot be brought back to their state at the snapshot",
+            "; ".join(problems),
+            "restore a later snapshot, or put those files back",
+        )
+    for s in staged:
+        Path(s.path).parent.mkdir(parents=True, exist_ok=True)
+        if s.staged is None:
+            os.truncate(s.path, s.size)
+            continue
+        tmp = f"{s.path}.cryosleep-restore"
+        with open(files_dir / s.staged, "rb") as src, open(tmp, "wb") as dst:
+            left = s.size
+            while left > 0:
+                n = os.copy_file_range(src.fileno(), dst.fileno(), left)
+                if n == 0:
+                    break
+                left -= n
+        os.chmod(tmp, s.mode)
+        os.replace(tmp, s.path)

@@ -1,0 +1,40 @@
+"""CRIU's action script: runs inside ``criu dump`` while the tree is frozen.
+
+At ``post-dump`` (images written, tasks still frozen) it stages the files the job writes (files.stage).
+A non-zero exit makes CRIU fail the dump and resume every task, which is what fault injection uses:
+``CRYOSLEEP_FAULT=capture-fail`` fails here, ``capture-hang`` blocks here until the snapshot's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from cryosleep.capture import files
+
+
+def main() -> int:
+    action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
+    if action != "post-dump":
+        return 0
+    root = int(os.environ["CRYOSLEEP_HOOK_ROOT_PID"])
+    dest = Path(os.environ["CRYOSLEEP_HOOK_STAGE_DIR"])
+    limit = int(os.environ.get("CRYOSLEEP_HOOK_COPY_LIMIT", files.DEFAULT_COPY_LIMIT))
+    try:
+        files.stage(root, dest, limit)
+    except OSError as e:
+        print(f"cryosleep hook: staging the job's files failed: {e}", file=sys.stderr)
+        return 1
+    fault = os.environ.get("CRYOSLEEP_FAULT", "")
+    if fault == "capture-fail":
+        print("cryosleep hook: injected capture failure (CRYOSLEEP_FAULT=capture-fail)", file=sys.stderr)
+        return 1
+    if fault == "capture-hang":
+        time.sleep(3600)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Restoring a job on this node from a snapshot: one linear list of phases, one rollback.
+
+    verify    every image file re-read and checked against the manifest (nothing has started yet)
+    compat    this machine can take the image: kernel, CRIU, the job name free, paths present
+    files     the job's files brought back to their state at the snapshot
+    restore   CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash)
+
+Rollback: if CRIU fails after the files were put back, nothing of the job is running; the files stay at the
+snapshot's state, which is what a retry needs.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryosleep.agent.job import JobSpec
+from cryosleep.capture import criu as criu_calls
+from cryosleep.capture import criu_install, files
+from cryosleep.errors import NotEligible, RestoreFailed, StoreCorrupt
+from cryosleep.store.local import LocalStore
+from cryosleep.store.manifest import Manifest
+from cryosleep.timing import Phases
+
+Progress = Callable[[str, str, float | None], None]
+
+
+@dataclass
+class Restored:
+    manifest: Manifest
+    spec: JobSpec
+    init_pid: int
+    phases: Phases
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def compat_problems(manifest: Manifest, criu: criu_install.Criu) -> list[str]:
+    problems: list[str] = []
+    host = manifest.host
+    if host.get("machine") and host["machine"] != platform.machine():
+        problems.append(f"captured on {host['machine']}, this machine is {platform.machine()}")
+    if host.get("criu") and _version_tuple(criu.version) < _version_tuple(str(host["criu"]))[:2]:
+        problems.append(f"captured with CRIU {host['criu']}, this machine has the older {criu.version}")
+    cwd = manifest.job.get("cwd")
+    if cwd and not Path(cwd).is_dir():
+        problems.append(f"the job's working directory {cwd} does not exist here")
+    prog = manifest.job.get("program") or []
+    if prog and prog[0].startswith("/") and not Path(prog[0]).exists():
+        problems.append(f"the job's program {prog[0]} does not exist here")
+    if len(manifest.nodes) != 1:
+        problems.append(f"the snapshot has {len(manifest.nodes)} nodes; a one-node restore takes one")
+    return problems
+
+
+def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600.0,
+            progress: Progress | None = None, before_criu: Callable[[Manifest], None] | None = None) -> Restored:
+    phases = Phases(progress)
+    criu = criu_install.locate()
+    with phases.phase("verify"):
+        manifest = store.load(ref)
+        bad = store.verify(manifest.id)
+        if bad:
+            raise StoreCorrupt(
+                f"snapshot {manifest.id} failed verification; nothing was restored",
+                "; ".join(bad[:8]) + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""),
+                "restore another snapshot (`cryosleep ls`) and remove this one (`cryosleep rm`)",
+                problems=bad,
+            )
+    spec = JobSpec.from_json(manifest.job)
+    base = store.path_of(manifest.id)
+    node = manifest.nodes[0]
+    node_dir = base / "nodes" / str(node.node_rank)
+    with phases.phase("compat"):
+        problems = compat_problems(manifest, criu)
+        problems += files.plan_restore(node.staged, node_dir / "files")
+        if problems:
+            raise NotEligible(
+                f"snapshot {manifest.id} cannot be restored on this machine",
+                "; ".join(problems),
+                "restore it on a compatible machine, or fix what is listed",
+                problems=problems,
+            )
+        if before_criu:
+            before_criu(manifest)
+    with phases.phase("files"):
+        files.restore(node.staged, node_dir / "files")
+    with phases.phase("restore"):
+        try:
+            init_pid = criu_calls.restore(criu, node_dir / "criu", work_dir, timeout=timeout)
+        except RestoreFailed:
+            raise
+        except OSError as e:
+            raise RestoreFailed("CRIU could not be started", str(e), "run `cryosleep check`") from e
+    return Restored(manifest, spec, init_pid, phases)

@@ -1,0 +1,35 @@
+"""`cryosleep check`: can this machine capture and restore, and can this job be captured now."""
+
+from __future__ import annotations
+
+import argparse
+
+from cryosleep import eligibility
+from cryosleep.agent.job import JobDir
+from cryosleep.cli.output import emit_json, table
+
+
+def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser("check", help="the eligibility report for this machine (and a running job)")
+    c.add_argument("--job", help="also check what this job's processes hold")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    checks = eligibility.system_checks()
+    if a.job:
+        _, st = JobDir(a.job).read()
+        if st.state != "running":
+            checks.append(eligibility.Check("job", False, f"job {a.job} is {st.state}: {st.detail}".rstrip(": ")))
+        else:
+            found = eligibility.process_checks(st.init_pid)
+            checks.extend(found or [eligibility.Check("job processes", True,
+                                                      f"nothing uncapturable held by job {a.job}")])
+    ok = all(c.ok for c in checks if c.fatal)
+    if a.json:
+        emit_json({"ok": ok, "checks": [c.to_json() for c in checks]})
+    else:
+        print(table(["check", "ok", "detail"], [[c.name, "yes" if c.ok else "NO", c.detail] for c in checks]))
+        print("eligible" if ok else "NOT eligible: see the rows marked NO")
+    return 0 if ok else 1

@@ -1,0 +1,207 @@
+"""`cryosleep run`, `restore` and `jobs`: starting, bringing back and listing jobs on this node."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cryosleep import paths
+from cryosleep.agent.agent import Agent
+from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
+from cryosleep.cli.output import PhasePrinter, emit_json, table, when
+from cryosleep.errors import CryosleepError, UsageError, from_json
+from cryosleep.store.local import LocalStore
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("run", help="run a training script under Cryosleep (a drop-in for torchrun on one node)",
+                       description="Start the workers like torchrun does, inside a sandbox Cryosleep can capture.")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--master-port", "--master_port", type=int, default=0,
+                   help="rendezvous port (default: a free one, as with torchrun --standalone)")
+    p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
+    p.add_argument("--run-id", "--run_id", default="")
+    p.add_argument("--name", help="job name (default: the script's name)")
+    p.add_argument("--no-python", "--no_python", action="store_true", help="run the program directly")
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a Python module")
+    p.add_argument("--detach", action="store_true", help="return once the job runs; follow it with `jobs`")
+    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_run)
+
+    r = sub.add_parser("restore", help="bring a job back from a snapshot and supervise it")
+    r.add_argument("snapshot")
+    r.add_argument("--store", type=Path, default=None)
+    r.add_argument("--timeout", type=float, default=600.0)
+    r.add_argument("--detach", action="store_true")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_restore)
+
+    j = sub.add_parser("jobs", help="list the jobs on this node")
+    j.add_argument("--json", action="store_true")
+    j.set_defaults(func=cmd_jobs)
+
+
+def build_spec(a: argparse.Namespace) -> JobSpec:
+    if a.nnodes != 1 or a.node_rank != 0:
+        raise UsageError("multi-node jobs are not supported by this version",
+                         f"--nnodes {a.nnodes} --node-rank {a.node_rank} asked for more than one node",
+                         "run with --nnodes 1")
+    if a.nproc_per_node < 1:
+        raise UsageError("--nproc-per-node must be at least 1", f"got {a.nproc_per_node}", "")
+    if a.no_python:
+        program = [a.script, *a.args]
+    elif a.module:
+        program = [sys.executable, "-u", "-m", a.script, *a.args]
+    else:
+        script = Path(a.script)
+        if not script.is_file():
+            raise UsageError(f"no such script: {a.script}", "the file does not exist", "check the path")
+        program = [sys.executable, "-u", str(script.resolve()), *a.args]
+    name = check_name(a.name or Path(a.script).stem.replace("_", "-"))
+    return JobSpec(
+        name=name, program=program, cwd=os.getcwd(), env=dict(os.environ),
+        nproc_per_node=a.nproc_per_node, nnodes=1, node_rank=0, master_addr=a.master_addr,
+        master_port=a.master_port or free_port(), run_id=a.run_id or secrets.token_hex(4),
+    )
+
+
+def _detached(log: Path, start: Callable[[Agent | None], Agent], describe: Callable[[Agent], dict[str, Any]],
+              as_json: bool) -> int:
+    """Run the agent as a daemon; return once it has started the job (or failed to)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the daemon
+        os.close(r)
+        os.setsid()
+        if os.fork() > 0:
+            os._exit(0)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+        try:
+            agent = start(None)
+            os.write(w, json.dumps({"result": describe(agent)}).encode())
+            os.close(w)
+            code = agent.serve()
+        except CryosleepError as e:
+            os.write(w, json.dumps({"error": e.to_json()}).encode())
+            os._exit(1)
+        except BaseException as e:
+            os.write(w, json.dumps({"error": CryosleepError(f"the agent failed: {e}").to_json()}).encode())
+            os._exit(1)
+        os._exit(code)
+    os.close(w)
+    os.waitpid(pid, 0)
+    chunks = []
+    while True:
+        b = os.read(r, 65536)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(r)
+    if not chunks:
+        raise CryosleepError("the agent died while starting the job", "it reported nothing", f"see {log}")
+    msg = json.loads(b"".join(chunks))
+    if "error" in msg:
+        raise from_json(msg["error"])
+    result: dict[str, Any] = msg["result"]
+    if as_json:
+        emit_json(result)
+    else:
+        print(f"job {result['job']} running (agent {result['agent_pid']}); its log: {log}")
+    return 0
+
+
+def _describe(agent: Agent) -> dict[str, Any]:
+    return {"job": agent.spec.name, "state": agent.state.state, "agent_pid": os.getpid(),
+            "init_pid": agent.state.init_pid, "ranks": agent.spec.ranks,
+            "logs": str(agent.job.logs), "restored_from": agent.state.restored_from}
+
+
+def _finish(agent: Agent, code: int, as_json: bool) -> int:
+    if as_json:
+        emit_json({"job": agent.spec.name, "state": agent.state.state, "exit_code": code,
+                   "detail": agent.state.detail})
+    elif code == EXIT_SUSPENDED:
+        sys.stderr.write(f"cryosleep: job {agent.spec.name} is suspended in snapshot {agent.suspended_in}; "
+                         f"bring it back with `cryosleep restore {agent.suspended_in}`\n")
+    elif code != 0:
+        sys.stderr.write(f"cryosleep: job {agent.spec.name} failed with exit code {code}"
+                         f"{': ' + agent.state.detail if agent.state.detail else ''}\n")
+    return code
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    spec = build_spec(a)
+    job = JobDir(spec.name)
+
+    def start(out: Any) -> Agent:
+        agent = Agent(job, spec, out=out)
+        agent.launch()
+        return agent
+
+    if a.detach:
+        return _detached(job.agent_log, start, _describe, a.json)
+    agent = start(sys.stderr if a.json else sys.stdout)
+    if not a.json:
+        sys.stderr.write(f"cryosleep: job {spec.name}: {spec.nproc_per_node} worker(s) running "
+                         f"(snapshot it with `cryosleep snapshot {spec.name}`)\n")
+    return _finish(agent, agent.serve(), a.json)
+
+
+def cmd_restore(a: argparse.Namespace) -> int:
+    store = LocalStore(a.store or paths.default_store())
+    manifest = store.load(a.snapshot)
+    job = JobDir(manifest.job_name)
+    printer = PhasePrinter(not a.json and not a.detach)
+
+    def start(out: Any) -> Agent:
+        agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
+        agent.restore(store, manifest.id, progress=printer, timeout=a.timeout)
+        return agent
+
+    def describe(agent: Agent) -> dict[str, Any]:
+        return {**_describe(agent), "snapshot": manifest.id}
+
+    if a.detach:
+        return _detached(job.agent_log, start, describe, a.json)
+    if not a.json:
+        sys.stderr.write(f"cryosleep: restoring job {manifest.job_name} from {manifest.id}\n")
+    agent = start(sys.stderr if a.json else sys.stdout)
+    return _finish(agent, agent.serve(), a.json)
+
+
+def cmd_jobs(a: argparse.Namespace) -> int:
+    jobs = list_jobs()
+    if a.json:
+        emit_json([{"job": s.name, **st.to_json(), "ranks": s.ranks, "dir": str(JobDir(s.name).path)}
+                   for s, st in jobs])
+        return 0
+    rows = [[s.name, st.state, len(s.ranks), st.init_pid or "-", when(st.started_at),
+             st.last_snapshot or "-", st.detail] for s, st in jobs]
+    print(table(["job", "state", "ranks", "init", "started", "last snapshot", "detail"], rows))
+    return 0

@@ -1,0 +1,46 @@
+"""Entry point of the `cryosleep` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cryosleep import __version__
+from cryosleep.cli.check import add_check
+from cryosleep.cli.criu_cmd import add_criu
+from cryosleep.cli.demo import add_demo
+from cryosleep.cli.jobs import add_run
+from cryosleep.cli.output import emit_error
+from cryosleep.cli.snapshots import add_snapshots
+from cryosleep.errors import CryosleepError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cryosleep",
+        description="Snapshot and restore running distributed PyTorch jobs, without changing their code.",
+    )
+    p.add_argument("--version", action="version", version=f"cryosleep {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_run(sub)
+    add_snapshots(sub)
+    add_check(sub)
+    add_criu(sub)
+    add_demo(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except CryosleepError as e:
+        emit_error(e, getattr(args, "json", False))
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Printing for people (tables, phase summaries) and for tools (one JSON document)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cryosleep.errors import CryosleepError
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def emit_error(err: CryosleepError, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(err.to_json(), indent=2) + "\n")
+    else:
+        sys.stderr.write(f"cryosleep: {err}\n")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def when(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def phase_table(phases: dict[str, float]) -> str:
+    return table(["phase", "seconds"], [[k, f"{v:.3f}"] for k, v in phases.items()])
+
+
+class PhasePrinter:
+    """Shows each phase as it starts and ends (on stderr, so stdout stays clean for --json)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, phase: str, status: str, seconds: float | None) -> None:
+        if not self.enabled:
+            return
+        if status == "start":
+            sys.stderr.write(f"  {phase} ...\n")
+        else:
+            sys.stderr.write(f"  {phase} {status} in {seconds or 0:.3f} s\n")
+        sys.stderr.flush()
+
+    def event(self, msg: dict[str, Any]) -> None:
+        if msg.get("event") == "phase":
+            self(str(msg["phase"]), str(msg["status"]), msg.get("seconds"))

@@ -1,0 +1,132 @@
+"""`cryosleep snapshot`, `ls`, `show`, `verify`, `rm`: taking snapshots and looking after the store."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from cryosleep import paths
+from cryosleep.agent.control import ControlClient
+from cryosleep.agent.job import JobDir
+from cryosleep.cli.output import PhasePrinter, emit_json, human_bytes, phase_table, table, when
+from cryosleep.errors import StoreCorrupt
+from cryosleep.store.local import LocalStore
+
+
+def _store(a: argparse.Namespace) -> LocalStore:
+    return LocalStore(a.store or paths.default_store())
+
+
+def add_snapshots(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser("snapshot", help="capture every worker of a running job")
+    s.add_argument("job")
+    s.add_argument("--stop", action="store_true",
+                   help="end the job once the snapshot is complete and verified (default: keep it running)")
+    s.add_argument("--timeout", type=float, default=600.0, help="give up (and resume the job) after this")
+    s.add_argument("--store", type=Path, default=None, help="store directory (default $CRYOSLEEP_STORE)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_snapshot)
+
+    ls = sub.add_parser("ls", help="list the snapshots in the store")
+    ls.add_argument("--job")
+    ls.add_argument("--store", type=Path, default=None)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    sh = sub.add_parser("show", help="show a snapshot's manifest")
+    sh.add_argument("snapshot")
+    sh.add_argument("--store", type=Path, default=None)
+    sh.add_argument("--json", action="store_true")
+    sh.set_defaults(func=cmd_show)
+
+    v = sub.add_parser("verify", help="re-check every checksum of a snapshot")
+    v.add_argument("snapshot")
+    v.add_argument("--store", type=Path, default=None)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+    rm = sub.add_parser("rm", help="remove snapshots from the store")
+    rm.add_argument("snapshots", nargs="+")
+    rm.add_argument("--store", type=Path, default=None)
+    rm.add_argument("--json", action="store_true")
+    rm.set_defaults(func=cmd_rm)
+
+
+def cmd_snapshot(a: argparse.Namespace) -> int:
+    job = JobDir(a.job)
+    if not job.exists():
+        job.read()  # raises NotFound with the right words
+    client = ControlClient(job.socket, a.job)
+    printer = PhasePrinter(not a.json)
+    if not a.json:
+        sys.stderr.write(f"cryosleep: {'stop' if a.stop else 'keep-running'} snapshot of job {a.job}\n")
+    store = str((a.store or paths.default_store()).resolve())
+    req = {"op": "snapshot", "stop": a.stop, "timeout": a.timeout, "store": store,
+           "fault": os.environ.get("CRYOSLEEP_FAULT")}
+    res = client.call(req, on_event=printer.event)
+    if a.json:
+        emit_json(res)
+        return 0
+    print(f"snapshot {res['snapshot']} of job {res['job']} ({res['mode']})")
+    print(f"  pause {res['pause_s']:.3f} s, image {human_bytes(res['bytes'])} "
+          f"(workers' memory {human_bytes(res['rss_bytes'])}), store {res['store']}")
+    print(phase_table(res["phases"]))
+    if a.stop:
+        print(f"job {res['job']} is suspended; bring it back with `cryosleep restore {res['snapshot']}`")
+    return 0
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    items = _store(a).list(a.job)
+    if a.json:
+        emit_json([{"snapshot": m.id, "job": m.job_name, "mode": m.mode, "created_at": m.created_at,
+                    "bytes": m.bytes, "pause_s": m.pause_s, "ranks": [r for n in m.nodes for r in n.ranks],
+                    "restored_from": m.restored_from} for m in items])
+        return 0
+    rows = [[m.id, m.job_name, m.mode, when(m.created_at), human_bytes(m.bytes), f"{m.pause_s:.3f} s"]
+            for m in items]
+    print(table(["snapshot", "job", "mode", "created", "size", "pause"], rows))
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    m = _store(a).load(a.snapshot)
+    if a.json:
+        emit_json(m.to_json())
+        return 0
+    print(f"snapshot  {m.id}\njob       {m.job_name} ({len(m.job['program'])} args: {' '.join(m.job['program'])})")
+    print(f"mode      {m.mode}\ncreated   {when(m.created_at)}\nsize      {human_bytes(m.bytes)}")
+    print(f"pause     {m.pause_s:.3f} s\nfrom      {m.restored_from or '-'}")
+    print("host      " + ", ".join(f"{k}={v}" for k, v in sorted(m.host.items())))
+    for n in m.nodes:
+        print(f"node {n.node_rank}: ranks {n.ranks}, {n.processes} processes, {len(n.files)} files, "
+              f"{human_bytes(n.bytes)}, {len(n.staged)} job files staged")
+    print(phase_table(m.phases))
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    store = _store(a)
+    sid = store.resolve(a.snapshot)
+    problems = store.verify(sid)
+    if a.json:
+        emit_json({"snapshot": sid, "ok": not problems, "problems": problems})
+        return 1 if problems else 0
+    if problems:
+        raise StoreCorrupt(f"snapshot {sid} failed verification", "; ".join(problems),
+                           "do not restore it; restore another snapshot and remove this one")
+    print(f"snapshot {sid}: every file matches its checksum")
+    return 0
+
+
+def cmd_rm(a: argparse.Namespace) -> int:
+    store = _store(a)
+    removed = [store.remove(ref) for ref in a.snapshots]
+    if a.json:
+        emit_json({"removed": removed})
+    else:
+        for sid in removed:
+            print(f"removed {sid}")
+    return 0

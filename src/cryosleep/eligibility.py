@@ -1,0 +1,115 @@
+"""Every eligibility check in one place, each returning a Check (name, ok, detail).
+
+System checks answer "can this machine capture and restore at all"; job checks answer "can this job's
+processes be captured now". A snapshot runs the job checks first and refuses with their reasons rather
+than fail half-way.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cryosleep import paths
+from cryosleep.agent import proctree
+from cryosleep.errors import CryosleepError
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fatal: bool = True  # a failed non-fatal check is a warning
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _kernel() -> Check:
+    rel = platform.release()
+    try:
+        major, minor = (int(x) for x in rel.split(".")[:2])
+    except ValueError:
+        return Check("kernel", False, f"cannot parse kernel release {rel!r}")
+    ok = (major, minor) >= (5, 10)
+    return Check("kernel", ok, f"Linux {rel}" + ("" if ok else " (need >= 5.10 for CRIU 4.2)"))
+
+
+def _root() -> Check:
+    ok = os.geteuid() == 0
+    return Check("privileges", ok, "running as root" if ok else
+                 "not root: CRIU needs root (or CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN); run with sudo")
+
+
+def _pid_namespaces() -> Check:
+    ok = Path("/proc/self/ns/pid").exists()
+    return Check("pid namespaces", ok, "available" if ok else "the kernel has no PID namespaces")
+
+
+def _native() -> Check:
+    init = paths.native_dir() / "cryosleep-init"
+    ok = init.is_file() and os.access(init, os.X_OK)
+    return Check("sandbox init", ok, str(init) if ok else
+                 f"{init} is missing: build it with `make -C native` (part of `make setup`)")
+
+
+def _criu() -> list[Check]:
+    from cryosleep.capture import criu_install
+
+    try:
+        criu = criu_install.locate()
+    except CryosleepError as e:
+        return [Check("criu", False, f"{e.what}; {e.hint}")]
+    out = [Check("criu", True, f"CRIU {criu.version} ({criu.source}: {' '.join(criu.argv[-1:])})")]
+    if os.geteuid() != 0:
+        out.append(Check("criu check", False, "skipped: needs root"))
+        return out
+    res = subprocess.run(criu.command("check"), capture_output=True, text=True, check=False)
+    text = (res.stdout + res.stderr).strip().splitlines()
+    verdict = [ln for ln in text if "RLIMIT_NOFILE" not in ln and "kdat cache" not in ln]
+    out.append(Check("criu check", res.returncode == 0, verdict[-1] if verdict else f"exit {res.returncode}"))
+    out.append(Check("network lock", criu.nft_argv is not None,
+                     "nftables (nft available to release a lock)" if criu.nft_argv else
+                     "nft not found: a killed dump's network lock could not be removed"))
+    return out
+
+
+def system_checks() -> list[Check]:
+    return [_kernel(), _root(), _pid_namespaces(), _native(), *_criu()]
+
+
+GPU_DEVICES = ("/dev/nvidia", "/dev/dri")
+
+
+def process_checks(root_pid: int) -> list[Check]:
+    """What the processes of a sandbox hold that CRIU cannot capture (empty list: nothing found)."""
+    problems: list[Check] = []
+    if not proctree.alive(root_pid):
+        return [Check("job processes", False, f"the job's init (PID {root_pid}) is not running")]
+    for pid in proctree.tree(root_pid):
+        st = proctree.state(pid)
+        comm = Path(f"/proc/{pid}/comm").read_text().strip() if Path(f"/proc/{pid}/comm").exists() else "?"
+        who = f"PID {pid} ({comm})"
+        if st in ("T", "t"):
+            problems.append(Check("process state", False, f"{who} is stopped or traced (another debugger?)"))
+        for f in proctree.open_files(pid):
+            if f.target == "anon_inode:[io_uring]":
+                problems.append(Check("io_uring", False,
+                                      f"{who} holds an io_uring, which CRIU cannot dump (PyTorch's libuv TCPStore "
+                                      "does this: run the job with USE_LIBUV=0, as `cryosleep run` does)"))
+            elif f.target.startswith(GPU_DEVICES):
+                problems.append(Check("gpu", False,
+                                      f"{who} holds {f.target}: GPU state needs the CUDA checkpoint path, "
+                                      "which this version captures only for jobs started with GPU support"))
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for c in problems:
+        if (c.name, c.detail) not in seen:
+            seen.add((c.name, c.detail))
+            unique.append(c)
+    return unique

@@ -1,0 +1,93 @@
+"""The errors a user can meet.
+
+Every error says what failed, why, and what to do next, and has a JSON form for tools::
+
+    CryosleepError            what/why/hint, exit code 1
+     +-- UsageError           bad input on the command line (exit 2)
+     +-- NotFound             unknown job or snapshot
+     +-- NotEligible          a check refused the operation before anything started
+     +-- CaptureFailed        a snapshot failed; every rank was resumed
+     +-- RestoreFailed        a restore failed; nothing of the job is left running
+     +-- StoreCorrupt         an image failed verification
+     +-- Busy                 another operation holds the job (a snapshot already in progress)
+     +-- CriuUnavailable      no usable CRIU; the hint says how to install it
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CryosleepError(Exception):
+    """Base of every error shown to a user: ``what`` failed, ``why``, and a ``hint`` on what to do."""
+
+    exit_code = 1
+    kind = "error"
+
+    def __init__(self, what: str, why: str = "", hint: str = "", **details: Any) -> None:
+        super().__init__(what)
+        self.what = what
+        self.why = why
+        self.hint = hint
+        self.details = details
+
+    def __str__(self) -> str:
+        parts = [self.what]
+        if self.why:
+            parts.append(f"why: {self.why}")
+        if self.hint:
+            parts.append(f"what to do: {self.hint}")
+        return "\n  ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"error": self.kind, "what": self.what, "why": self.why, "hint": self.hint}
+        if self.details:
+            out["details"] = self.details
+        return out
+
+
+class UsageError(CryosleepError):
+    exit_code = 2
+    kind = "usage"
+
+
+class NotFound(CryosleepError):
+    kind = "not_found"
+
+
+class NotEligible(CryosleepError):
+    kind = "not_eligible"
+
+
+class CaptureFailed(CryosleepError):
+    kind = "capture_failed"
+
+
+class RestoreFailed(CryosleepError):
+    kind = "restore_failed"
+
+
+class StoreCorrupt(CryosleepError):
+    kind = "store_corrupt"
+
+
+class Busy(CryosleepError):
+    kind = "busy"
+
+
+class CriuUnavailable(CryosleepError):
+    kind = "criu_unavailable"
+
+
+_KINDS: dict[str, type[CryosleepError]] = {
+    cls.kind: cls
+    for cls in (CryosleepError, UsageError, NotFound, NotEligible, CaptureFailed, RestoreFailed, StoreCorrupt,
+                Busy, CriuUnavailable)
+}
+
+
+def from_json(data: dict[str, Any]) -> CryosleepError:
+    """Rebuild an error from its JSON form (as an agent sends it over its control socket)."""
+    cls = _KINDS.get(str(data.get("error", "error")), CryosleepError)
+    return cls(str(data.get("what", "error")), str(data.get("why", "")), str(data.get("hint", "")),
+               **dict(data.get("details") or {}))

@@ -1,0 +1,216 @@
+"""The local directory store.
+
+Layout::
+
+    <root>/snapshots/<id>/manifest.json   a complete, committed snapshot
+    <root>/snapshots/<id>/nodes/...       its image files
+    <root>/.staging/<id>/                 a snapshot being written; never listed, removed on failure
+
+A snapshot becomes visible only by an atomic rename from ``.staging`` once every file is written, hashed
+and the manifest is on disk, so a crash at any point leaves no half snapshot listed as valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryosleep.errors import CryosleepError, NotFound, StoreCorrupt, UsageError
+from cryosleep.store.manifest import FileEntry, Manifest
+
+CHUNK = 4 * 1024 * 1024
+
+
+def sha256_file(path: Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    left = limit
+    with open(path, "rb") as f:
+        while True:
+            want = CHUNK if left is None else min(CHUNK, left)
+            if want == 0:
+                break
+            block = f.read(want)
+            if not block:
+                break
+            h.update(block)
+            if left is not None:
+                left -= len(block)
+    return h.hexdigest()
+
+
+def hash_tree(base: Path, rel_dirs: Iterable[str], workers: int = 4) -> list[FileEntry]:
+    """Size and SHA-256 of every regular file under ``base/rel_dir`` for each dir, paths relative to base."""
+    files: list[Path] = []
+    for rel in rel_dirs:
+        top = base / rel
+        if top.is_dir():
+            files.extend(p for p in sorted(top.rglob("*")) if p.is_file() and not p.is_symlink())
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        sums = list(pool.map(sha256_file, files))
+    return [
+        FileEntry(path=str(p.relative_to(base)), size=p.stat().st_size, sha256=s)
+        for p, s in zip(files, sums, strict=True)
+    ]
+
+
+def new_snapshot_id(job: str) -> str:
+    return f"{job}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+@dataclass
+class Staging:
+    """A snapshot being written."""
+
+    id: str
+    path: Path
+
+    def node_dir(self, node_rank: int) -> Path:
+        return self.path / "nodes" / str(node_rank)
+
+
+class LocalStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "snapshots"
+
+    @property
+    def staging(self) -> Path:
+        return self.root / ".staging"
+
+    def begin(self, job: str) -> Staging:
+        sid = new_snapshot_id(job)
+        path = self.staging / sid
+        try:
+            path.mkdir(parents=True)
+        except OSError as e:
+            raise CryosleepError(
+                f"cannot create a snapshot in the store {self.root}",
+                str(e),
+                "check that the store directory is writable and has space, or pass --store",
+            ) from e
+        return Staging(sid, path)
+
+    def abort(self, staging: Staging) -> None:
+        shutil.rmtree(staging.path, ignore_errors=True)
+
+    def commit(self, staging: Staging, manifest: Manifest) -> Path:
+        """Write the manifest and publish the snapshot atomically."""
+        manifest.complete = True
+        tmp = staging.path / "manifest.json.tmp"
+        with open(tmp, "w") as f:
+            f.write(manifest.dumps())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, staging.path / "manifest.json")
+        self.snapshots.mkdir(parents=True, exist_ok=True)
+        final = self.snapshots / staging.id
+        os.replace(staging.path, final)
+        dfd = os.open(self.snapshots, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return final
+
+    def path_of(self, sid: str) -> Path:
+        return self.snapshots / sid
+
+    def resolve(self, ref: str) -> str:
+        """A snapshot id from an exact id or a unique prefix."""
+        if not ref or "/" in ref or ref.startswith("."):
+            raise UsageError(f"invalid snapshot id {ref!r}", "", "list snapshots with `cryosleep ls`")
+        if (self.snapshots / ref / "manifest.json").exists():
+            return ref
+        matches = [p.name for p in self.snapshots.glob(f"{ref}*")] if self.snapshots.exists() else []
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            raise NotFound(
+                f"no snapshot {ref!r} in the store {self.root}",
+                "no snapshot id starts with it",
+                "list snapshots with `cryosleep ls` (and check --store / CRYOSLEEP_STORE)",
+            )
+        raise UsageError(
+            f"snapshot id {ref!r} is ambiguous",
+            f"it matches {', '.join(sorted(matches))}",
+            "give more of the id",
+        )
+
+    def load(self, ref: str) -> Manifest:
+        sid = self.resolve(ref)
+        path = self.snapshots / sid / "manifest.json"
+        try:
+            return Manifest.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise NotFound(f"snapshot {sid} has no manifest", f"{path} is missing",
+                           "the snapshot is incomplete; remove it with `cryosleep rm`") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreCorrupt(
+                f"the manifest of snapshot {sid} cannot be read",
+                str(e),
+                "the snapshot is damaged; restore another one (`cryosleep ls`) and remove this one",
+            ) from e
+
+    def list(self, job: str | None = None) -> list[Manifest]:
+        out: list[Manifest] = []
+        if not self.snapshots.exists():
+            return out
+        for d in self.snapshots.iterdir():
+            if not (d / "manifest.json").exists():
+                continue
+            try:
+                m = self.load(d.name)
+            except CryosleepError:
+                continue
+            if job is None or m.job_name == job:
+                out.append(m)
+        out.sort(key=lambda m: m.created_at)
+        return out
+
+    def verify(self, ref: str) -> list[str]:
+        """Every problem found re-checking the snapshot's files against its manifest (empty: intact)."""
+        m = self.load(ref)
+        base = self.snapshots / m.id
+        entries = [f for n in m.nodes for f in n.files]
+        problems: list[str] = []
+
+        def check(f: FileEntry) -> str | None:
+            p = base / f.path
+            try:
+                size = p.stat().st_size
+            except FileNotFoundError:
+                return f"{f.path}: missing"
+            if size != f.size:
+                return f"{f.path}: size {size}, expected {f.size} (truncated or altered)"
+            actual = sha256_file(p)
+            if actual != f.sha256:
+                return f"{f.path}: sha256 {actual[:16]}..., expected {f.sha256[:16]}... (altered)"
+            return None
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            for problem in pool.map(check, entries):
+                if problem:
+                    problems.append(problem)
+        if not m.complete:
+            problems.append("manifest is not marked complete")
+        return problems
+
+    def remove(self, ref: str) -> str:
+        sid = self.resolve(ref)
+        path = self.snapshots / sid
+        trash = self.staging / f"rm-{sid}-{secrets.token_hex(2)}"
+        self.staging.mkdir(parents=True, exist_ok=True)
+        os.replace(path, trash)  # atomic: it is no longer listed from here on
+        shutil.rmtree(trash, ignore_errors=True)
+        return sid

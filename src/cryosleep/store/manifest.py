@@ -1,0 +1,119 @@
+"""The manifest: what makes a snapshot self-describing.
+
+A snapshot directory holds ``manifest.json`` and, per node, ``nodes/<node_rank>/criu/`` (CRIU's image files)
+and ``nodes/<node_rank>/files/`` (copies of files the job writes, brought back to their state at the
+snapshot on restore). The manifest lists every image file with its size and SHA-256, the job spec and
+environment, the versions of what captured it, and the time of every phase.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class FileEntry:
+    """One stored file of the image, relative to the snapshot directory."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass
+class StagedFile:
+    """A regular file the job held open for writing at the snapshot, and how to bring it back.
+
+    ``size`` is its size at the dump (what CRIU saw); ``staged`` is the copy's path in the snapshot (or None
+    when the file was too large to copy, in which case restore can only truncate it back to ``size`` and
+    checks ``tail_sha256``, the hash of its last bytes, first).
+    """
+
+    path: str
+    size: int
+    mode: int
+    staged: str | None
+    sha256: str | None = None
+    tail_sha256: str | None = None
+    tail_len: int = 0
+
+
+@dataclass
+class NodeImage:
+    node_rank: int
+    ranks: list[int]
+    init_pid: int
+    files: list[FileEntry] = field(default_factory=list)
+    staged: list[StagedFile] = field(default_factory=list)
+    processes: int = 0
+    rss_bytes: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass
+class Manifest:
+    id: str
+    job: dict[str, Any]
+    mode: str  # "keep-running" | "stop"
+    created_at: float
+    nodes: list[NodeImage]
+    host: dict[str, Any]
+    phases: dict[str, float]
+    pause_s: float
+    format: int = FORMAT_VERSION
+    restored_from: str | None = None
+    complete: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return sum(n.bytes for n in self.nodes)
+
+    @property
+    def job_name(self) -> str:
+        return str(self.job["name"])
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["bytes"] = self.bytes
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        if data.get("format") != FORMAT_VERSION:
+            raise ValueError(f"manifest format {data.get('format')!r}, this Cryosleep reads {FORMAT_VERSION}")
+        nodes = []
+        for n in data["nodes"]:
+            nodes.append(
+                NodeImage(
+                    node_rank=n["node_rank"],
+                    ranks=list(n["ranks"]),
+                    init_pid=n["init_pid"],
+                    files=[FileEntry(**f) for f in n["files"]],
+                    staged=[StagedFile(**s) for s in n["staged"]],
+                    processes=n.get("processes", 0),
+                    rss_bytes=n.get("rss_bytes", 0),
+                )
+            )
+        return cls(
+            id=data["id"],
+            job=data["job"],
+            mode=data["mode"],
+            created_at=data["created_at"],
+            nodes=nodes,
+            host=data["host"],
+            phases=data["phases"],
+            pause_s=data["pause_s"],
+            format=data["format"],
+            restored_from=data.get("restored_from"),
+            complete=data.get("complete", False),
+        )

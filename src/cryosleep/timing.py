@@ -1,0 +1,38 @@
+"""Phase timing: every phase of a snapshot or restore is timed, and the times are shown."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+class Phases:
+    """Ordered phase durations in seconds, with an optional progress callback per phase."""
+
+    def __init__(self, progress: Callable[[str, str, float | None], None] | None = None) -> None:
+        self.durations: dict[str, float] = {}
+        self._progress = progress
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self._progress:
+            self._progress(name, "start", None)
+        start = time.monotonic()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            elapsed = time.monotonic() - start
+            self.durations[name] = self.durations.get(name, 0.0) + elapsed
+            if self._progress:
+                self._progress(name, "done" if ok else "failed", elapsed)
+
+    def total(self, names: list[str] | None = None) -> float:
+        if names is None:
+            return sum(self.durations.values())
+        return sum(self.durations.get(n, 0.0) for n in names)
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in self.durations.items()}

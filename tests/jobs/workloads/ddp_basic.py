@@ -1,0 +1,52 @@
+"""2-rank (or N-rank) DDP on CPU with gloo and AdamW; prints each step's loss as exact float hex.
+
+Usage (under torchrun or cryosleep run): ddp_basic.py --steps N [--step-sleep S] [--hidden H] [--mem-mb M]
+--mem-mb allocates and keeps that much extra state per rank (to measure snapshot cost against memory).
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--mem-mb", type=int, default=0)
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1)
+    )
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    ballast = torch.randn(args.mem_mb * 1024 * 1024 // 4) if args.mem_mb else None
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(args.steps):
+        x = torch.randn(32, 16, generator=gen)
+        y = x.sum(dim=1, keepdim=True).sin()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if ballast is not None:
+            ballast.mul_(1.0)
+        print(f"step {step} loss {loss.item().hex()}", flush=True)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"done rank {rank} pid {os.getpid()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
