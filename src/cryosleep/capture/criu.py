@@ -8,10 +8,12 @@ still until its image is verified, then killed, or resumed if anything failed).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +29,10 @@ RUN_ID_RE = re.compile(r"CRIU run id = ([0-9a-f-]+)")
 # CRIU prints this on every run here; it is harmless (FACTS.md).
 NOISE = ("Can't setup RLIMIT_NOFILE",)
 GHOST_LIMIT = 64 * 1024 * 1024
+# After its action script is ended, CRIU rolls back by itself within this time, or is killed.
+ROLLBACK_GRACE_S = 15.0
+SYS_PIDFD_GETFD = 438
+TCP_REPAIR = 19
 
 
 @dataclass
@@ -65,9 +71,9 @@ def unlock_network(criu: Criu, rid: str | None) -> None:
     out = subprocess.run([*criu.nft_argv, "list", "tables"], capture_output=True, text=True, check=False)
     for line in out.stdout.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[0] == "table" and parts[2].startswith("CRIU-"):
-            if rid.startswith(parts[2][len("CRIU-"):]):
-                subprocess.run([*criu.nft_argv, "delete", "table", parts[1], parts[2]],
+        ours = len(parts) == 3 and parts[0] == "table" and parts[2].startswith("CRIU-")
+        if ours and rid.startswith(parts[2][len("CRIU-"):]):  # CRIU cuts its run id to fit a table name
+            subprocess.run([*criu.nft_argv, "delete", "table", parts[1], parts[2]],
                                capture_output=True, check=False)
 
 
@@ -117,14 +123,13 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        rid = run_id(log)
-        release(criu, root_pid, rid)
+        gentle = (extra_env or {}).get("CRYOSLEEP_FAULT") != "capture-hang-kill"
+        how = _stop_dump(criu, proc, root_pid, log, gentle=gentle)
         raise CaptureFailed(
             f"CRIU did not finish the dump within {timeout:g} s",
-            "the dump was killed; every process of the job was released and goes on running",
+            f"the dump was abandoned ({how}); every process of the job was released and goes on running",
             "retry with a longer --timeout; see the CRIU log " + str(log),
+            log=str(log),
         ) from None
     elapsed = time.monotonic() - start
     rid = run_id(log)
@@ -139,17 +144,92 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     return DumpResult(elapsed, rid, log)
 
 
-def release(criu: Criu, root_pid: int, rid: str | None) -> None:
-    """Undo what a failed or held dump leaves: the network lock and stopped tasks."""
-    unlock_network(criu, rid)
+def _stop_dump(criu: Criu, proc: subprocess.Popen[bytes], root_pid: int, log: Path, gentle: bool = True) -> str:
+    """Abandon a dump that ran past its deadline, leaving the job as it was.
+
+    First the gentle way: end CRIU's action script (our hook), so that CRIU itself rolls back (network
+    unlocked, sockets out of repair mode, tasks resumed). Only if CRIU does not exit then is it killed, and
+    its leftovers are undone here: network lock, TCP repair mode, stopped tasks. (``gentle=False`` skips
+    the first step: fault injection uses it to exercise the second.)
+    """
+    if gentle:
+        for child in proctree.tree(proc.pid)[1:]:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            proc.communicate(timeout=ROLLBACK_GRACE_S)
+            return "CRIU rolled back"
+        except subprocess.TimeoutExpired:
+            pass
+    # The kernel resumes the tasks the moment their tracer dies, with the network still locked (a send
+    # would fail with EPERM and break the job): queue a SIGSTOP first, so they stop until we are done.
+    tree = proctree.tree(root_pid)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end and any(proctree.state(p) not in ("T", "gone", "Z") for p in tree):
+        time.sleep(0.01)
+    release(criu, root_pid, run_id(log), repair=True)
+    return "CRIU was killed and its leftovers undone"
+
+
+def _pidfd_getfd(pid: int, fd: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        got = int(libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0))
+        if got < 0:
+            raise OSError(ctypes.get_errno(), f"pidfd_getfd({pid}, {fd})")
+        return got
+    finally:
+        os.close(pidfd)
+
+
+def repair_off(root_pid: int) -> int:
+    """Take every TCP socket of the tree out of repair mode (what a killed CRIU leaves); return how many."""
+    fixed = 0
     for pid in proctree.tree(root_pid):
-        for tid in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
-            if proctree.state(int(tid)) in ("T", "t"):
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                break
+        for f in proctree.open_files(pid):
+            if not f.target.startswith("socket:"):
+                continue
+            try:
+                fd = _pidfd_getfd(pid, f.fd)
+            except OSError:
+                continue
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                os.close(fd)
+                continue
+            try:
+                tcp = sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6)
+                if tcp and sock.getsockopt(socket.IPPROTO_TCP, TCP_REPAIR):
+                    sock.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, 0)
+                    fixed += 1
+            except OSError:
+                pass
+            finally:
+                sock.close()
+    return fixed
+
+
+def release(criu: Criu, root_pid: int, rid: str | None, repair: bool = False) -> None:
+    """Undo what a failed or held dump leaves: the network lock, TCP repair mode, stopped tasks."""
+    unlock_network(criu, rid)
+    if repair:
+        repair_off(root_pid)
+    for pid in proctree.tree(root_pid):
+        try:
+            os.kill(pid, signal.SIGCONT)  # a no-op for a running task
+        except ProcessLookupError:
+            pass
 
 
 def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float) -> int:

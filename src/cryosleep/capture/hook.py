@@ -2,7 +2,9 @@
 
 At ``post-dump`` (images written, tasks still frozen) it stages the files the job writes (files.stage).
 A non-zero exit makes CRIU fail the dump and resume every task, which is what fault injection uses:
-``CRYOSLEEP_FAULT=capture-fail`` fails here, ``capture-hang`` blocks here until the snapshot's timeout.
+``CRYOSLEEP_FAULT=capture-fail`` fails here, ``capture-hang`` blocks here until the snapshot's timeout
+(``capture-hang-kill`` too, and then the agent kills CRIU itself instead of letting it roll back, to
+exercise the last-resort cleanup).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def main() -> int:
     if fault == "capture-fail":
         print("cryosleep hook: injected capture failure (CRYOSLEEP_FAULT=capture-fail)", file=sys.stderr)
         return 1
-    if fault == "capture-hang":
+    if fault in ("capture-hang", "capture-hang-kill"):
         time.sleep(3600)
     return 0
 

@@ -128,7 +128,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
     name = f"demo-{secrets.token_hex(3)}"
     job = JobDir(name)
     store = LocalStore(paths.default_store())
-    say = (lambda msg: None) if a.json else (lambda msg: print(f"[demo] {msg}", flush=True))
+
+    def say(msg: str) -> None:
+        if not a.json:
+            print(f"[demo] {msg}", flush=True)
+
     wargs = [str(WORKLOAD), "--steps", str(a.steps)]
 
     say(f"1/6 starting job {name}: 2-rank DDP (gloo, AdamW, dropout, cosine LR, DataLoader workers)")
@@ -151,9 +155,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise CryosleepError(f"the restored demo job failed with exit code {code}", "", f"see {job.logs}")
 
     say("5/6 the same training uninterrupted, under plain torchrun")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     env = dict(os.environ, USE_LIBUV="0", OMP_NUM_THREADS="1")
     ref_run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
@@ -186,6 +190,6 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(table(["step", "uninterrupted", "cryosleep", "", "event"], rows))
         if plot:
             say(f"plot: {plot}")
-        say(("IDENTICAL: every loss matches the uninterrupted run bit for bit" if not diff else
-             f"MISMATCH at steps {diff[:10]}"))
+        say("IDENTICAL: every loss matches the uninterrupted run bit for bit" if not diff else
+             f"MISMATCH at steps {diff[:10]}")
     return 0 if not diff else 1

@@ -15,7 +15,7 @@ from typing import Any
 from cryosleep import paths
 from cryosleep.agent.agent import Agent
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
-from cryosleep.cli.output import PhasePrinter, emit_json, table, when
+from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
 from cryosleep.errors import CryosleepError, UsageError, from_json
 from cryosleep.store.local import LocalStore
 
@@ -156,6 +156,7 @@ def _finish(agent: Agent, code: int, as_json: bool) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    require_root("running a job under Cryosleep")
     spec = build_spec(a)
     job = JobDir(spec.name)
 
@@ -174,6 +175,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
+    require_root("restoring a snapshot")
     store = LocalStore(a.store or paths.default_store())
     manifest = store.load(a.snapshot)
     job = JobDir(manifest.job_name)

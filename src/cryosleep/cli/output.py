@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cryosleep.errors import CryosleepError
+from cryosleep.errors import CryosleepError, NotEligible
 
 
 def emit_json(obj: Any) -> None:
@@ -66,3 +66,15 @@ class PhasePrinter:
     def event(self, msg: dict[str, Any]) -> None:
         if msg.get("event") == "phase":
             self(str(msg["phase"]), str(msg["status"]), msg.get("seconds"))
+
+
+def require_root(what: str) -> None:
+    """Refuse up front, with the reason, what CRIU cannot do without root."""
+    import os
+
+    if os.geteuid() != 0:
+        raise NotEligible(
+            f"{what} needs root",
+            "CRIU and the job's sandbox (PID namespaces, ptrace, network locks) need root privileges",
+            "run it as root (sudo cryosleep ...)",
+        )

@@ -10,7 +10,7 @@ from pathlib import Path
 from cryosleep import paths
 from cryosleep.agent.control import ControlClient
 from cryosleep.agent.job import JobDir
-from cryosleep.cli.output import PhasePrinter, emit_json, human_bytes, phase_table, table, when
+from cryosleep.cli.output import PhasePrinter, emit_json, human_bytes, phase_table, require_root, table, when
 from cryosleep.errors import StoreCorrupt
 from cryosleep.store.local import LocalStore
 
@@ -55,6 +55,7 @@ def add_snapshots(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def cmd_snapshot(a: argparse.Namespace) -> int:
+    require_root("taking a snapshot")
     job = JobDir(a.job)
     if not job.exists():
         job.read()  # raises NotFound with the right words
@@ -79,7 +80,7 @@ def cmd_snapshot(a: argparse.Namespace) -> int:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    items = _store(a).list(a.job)
+    items = _store(a).manifests(a.job)
     if a.json:
         emit_json([{"snapshot": m.id, "job": m.job_name, "mode": m.mode, "created_at": m.created_at,
                     "bytes": m.bytes, "pause_s": m.pause_s, "ranks": [r for n in m.nodes for r in n.ranks],

@@ -162,7 +162,7 @@ class LocalStore:
                 "the snapshot is damaged; restore another one (`cryosleep ls`) and remove this one",
             ) from e
 
-    def list(self, job: str | None = None) -> list[Manifest]:
+    def manifests(self, job: str | None = None) -> list[Manifest]:
         out: list[Manifest] = []
         if not self.snapshots.exists():
             return out

@@ -29,8 +29,9 @@ def main() -> None:
     torch.manual_seed(0)
     data = torch.randn(512, 32)
     labels = (data[:, :4].sum(dim=1) > 0).long()
-    sampler = DistributedSampler(TensorDataset(data, labels), shuffle=True, seed=7)
-    loader = DataLoader(TensorDataset(data, labels), batch_size=16, sampler=sampler,
+    dataset = TensorDataset(data, labels)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(dataset, shuffle=True, seed=7)
+    loader = DataLoader(dataset, batch_size=16, sampler=sampler,
                         num_workers=args.workers, persistent_workers=args.workers > 0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(128, 2))
@@ -45,13 +46,14 @@ def main() -> None:
         for x, y in loader:
             loss = torch.nn.functional.cross_entropy(ddp(x), y)
             opt.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             sched.step()
             if ballast is not None:
                 ballast.add_(1.0)
             if rank == 0:
-                print(f"step {step} loss {loss.item().hex()} lr {sched.get_last_lr()[0].hex()}", flush=True)
+                lr = float(sched.get_last_lr()[0])
+                print(f"step {step} loss {float(loss.item()).hex()} lr {lr.hex()}", flush=True)
             step += 1
             if args.step_sleep:
                 time.sleep(args.step_sleep)

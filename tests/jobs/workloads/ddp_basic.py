@@ -1,7 +1,8 @@
 """2-rank (or N-rank) DDP on CPU with gloo and AdamW; prints each step's loss as exact float hex.
 
 Usage (under torchrun or cryosleep run): ddp_basic.py --steps N [--step-sleep S] [--hidden H] [--mem-mb M]
---mem-mb allocates and keeps that much extra state per rank (to measure snapshot cost against memory).
+[--own-log DIR]. --mem-mb keeps that much extra state per rank (to measure snapshot cost against memory);
+--own-log makes each rank append its losses to a file it keeps open (a job's own log).
 """
 
 import argparse
@@ -19,6 +20,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--mem-mb", type=int, default=0)
+    p.add_argument("--own-log", default="", help="directory: each rank also appends its losses to a file there")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -31,6 +33,7 @@ def main() -> None:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     ballast = torch.randn(args.mem_mb * 1024 * 1024 // 4) if args.mem_mb else None
     gen = torch.Generator().manual_seed(100 + rank)
+    own = open(os.path.join(args.own_log, f"train-rank{rank}.log"), "a") if args.own_log else None
     for step in range(args.steps):
         x = torch.randn(32, 16, generator=gen)
         y = x.sum(dim=1, keepdim=True).sin()
@@ -41,6 +44,9 @@ def main() -> None:
         if ballast is not None:
             ballast.mul_(1.0)
         print(f"step {step} loss {loss.item().hex()}", flush=True)
+        if own is not None:
+            own.write(f"step {step} loss {loss.item().hex()}\n")
+            own.flush()
         if args.step_sleep:
             time.sleep(args.step_sleep)
     dist.barrier()

@@ -1,0 +1,39 @@
+"""Shared fixtures: every test gets its own Cryosleep home and store; CRIU comes from `make setup`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cryosleep import paths
+from cryosleep.capture import criu_install
+
+# Resolved once, before any test moves CRYOSLEEP_HOME: the CRIU that `make setup` installed.
+REAL_CRIU_ROOT = str(paths.criu_root())
+
+
+@pytest.fixture
+def cryo_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("CRYOSLEEP_HOME", str(home))
+    monkeypatch.setenv("CRYOSLEEP_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("CRYOSLEEP_CRIU_ROOT", REAL_CRIU_ROOT)
+    monkeypatch.delenv("CRYOSLEEP_CRIU", raising=False)
+    monkeypatch.delenv("CRYOSLEEP_FAULT", raising=False)
+    criu_install.reset_cache()
+    yield home
+    criu_install.reset_cache()
+
+
+def require_criu() -> None:
+    """Job tests need root and CRIU; in CI both are there (`make setup`), so a lack is a failure."""
+    if os.geteuid() != 0:
+        pytest.fail("job-level tests need root (CRIU dumps and restores processes)")
+    try:
+        criu_install.locate(refresh=True)
+    except Exception as e:  # pragma: no cover - environment problem
+        pytest.fail(f"CRIU is not available ({e}); run `make setup`")

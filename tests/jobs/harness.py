@@ -1,0 +1,151 @@
+"""One harness for job-level tests: run a small workload under Cryosleep through the real CLI, snapshot
+and restore it, and compare its losses with the same workload run uninterrupted under plain torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cryosleep.agent import proctree
+from cryosleep.agent.job import JobDir
+
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+DEMO_TRAIN = Path(__file__).resolve().parents[2] / "src" / "cryosleep" / "workloads" / "demo_train.py"
+STEP_RE = re.compile(r"^step (\d+) loss (\S+)")
+
+_reference_cache: dict[tuple[str, ...], dict[int, list[str]]] = {}
+
+
+def workload(name: str) -> Path:
+    return DEMO_TRAIN if name == "demo_train" else WORKLOADS / f"{name}.py"
+
+
+def parse_losses(text: str) -> list[tuple[int, str]]:
+    out = []
+    for line in text.splitlines():
+        line = line.split("]: ", 1)[-1]
+        m = STEP_RE.match(line)
+        if m:
+            out.append((int(m.group(1)), m.group(2)))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def reference(script: Path, args: list[str], nproc: int = 2) -> dict[int, list[str]]:
+    """Per-rank loss lines of an uninterrupted torchrun run (cached per workload and arguments)."""
+    key = (str(script), *args, str(nproc))
+    if key in _reference_cache:
+        return _reference_cache[key]
+    env = dict(os.environ, USE_LIBUV="0", OMP_NUM_THREADS="1")
+    out: dict[int, list[str]] = {}
+    logdir = Path(f"/tmp/cryosleep-ref-{os.getpid()}-{len(_reference_cache)}")
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+         str(free_port()), "--log-dir", str(logdir), "--tee", "3", str(script), *args],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for r in range(nproc):
+        logs = list(logdir.rglob(f"{r}/stdout.log"))
+        assert logs, f"no torchrun log for rank {r} under {logdir}"
+        out[r] = [f"{s} {v}" for s, v in parse_losses(logs[0].read_text())]
+    _reference_cache[key] = out
+    return out
+
+
+class Harness:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.env = dict(os.environ)
+
+    def cli(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "cryosleep.cli.main", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env or self.env, timeout=timeout,
+                             check=False)
+        if check and res.returncode != 0:
+            raise AssertionError(f"cryosleep {' '.join(args)} failed ({res.returncode}):\n"
+                                 f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        return res
+
+    def cli_json(self, cmd: str, *args: str, check: bool = True, env: dict[str, str] | None = None) -> Any:
+        res = self.cli(cmd, "--json", *args, check=check, env=env)
+        return json.loads(res.stdout)
+
+    def run(self, name: str, script: Path, args: list[str], nproc: int = 2) -> dict[str, Any]:
+        out: dict[str, Any] = self.cli_json("run", "--detach", "--name", name, "--nproc-per-node", str(nproc),
+                                            str(script), *args)
+        return out
+
+    def job(self, name: str) -> JobDir:
+        return JobDir(name, self.home / "jobs")
+
+    def losses(self, name: str, rank: int = 0) -> list[str]:
+        log = self.job(name).rank_log(rank)
+        return [f"{s} {v}" for s, v in parse_losses(log.read_text())] if log.exists() else []
+
+    def state(self, name: str) -> str:
+        return self.job(name).read()[1].state
+
+    def wait_step(self, name: str, step: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            got = self.losses(name)
+            if got and int(got[-1].split()[0]) >= step:
+                return
+            st = self.job(name).read()[1]
+            assert st.state in ("starting", "running"), f"job {name} is {st.state}: {st.detail}"
+            time.sleep(0.05)
+        raise AssertionError(f"job {name} did not reach step {step} in {timeout} s")
+
+    def wait_end(self, name: str, timeout: float = 300) -> int:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            _, st = self.job(name).read()
+            if st.state not in ("starting", "running"):
+                return st.exit_code if st.exit_code is not None else -1
+            time.sleep(0.1)
+        raise AssertionError(f"job {name} did not end in {timeout} s")
+
+    def snapshot(self, name: str, *extra: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.cli_json("snapshot", name, *extra)
+        return out
+
+    def restore(self, sid: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.cli_json("restore", "--detach", sid)
+        return out
+
+    def pids(self, name: str) -> list[int]:
+        """Every process of the job's sandbox, init first."""
+        _, st = self.job(name).read()
+        return proctree.tree(st.init_pid)
+
+    def kill_all(self, name: str) -> None:
+        """SIGKILL the job's agent and every process of its sandbox."""
+        _, st = self.job(name).read()
+        tree = proctree.tree(st.init_pid)
+        for pid in [st.agent_pid, *tree]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + 10
+        while time.monotonic() < end and any(proctree.alive(p) for p in [st.agent_pid, *tree]):
+            time.sleep(0.05)
+
+    def ls(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = self.cli_json("ls")
+        return out

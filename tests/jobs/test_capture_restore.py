@@ -1,0 +1,265 @@
+"""Job-level acceptance on CPU, with real CRIU and real PyTorch: snapshots and restores must continue the
+training bit for bit, survive a crash of everything, and never harm the job when they fail."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_criu
+from tests.jobs.harness import Harness, reference, workload
+
+pytestmark = pytest.mark.slow
+
+BASIC = ["--steps", "40", "--step-sleep", "0.05"]
+
+
+@pytest.fixture
+def h(cryo_home: Path) -> Harness:
+    require_criu()
+    return Harness(cryo_home)
+
+
+def assert_identical(h: Harness, name: str, script: Path, args: list[str], ranks: list[int]) -> None:
+    ref = reference(script, args)
+    for r in ranks:
+        got = h.losses(name, r)
+        assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(
+            next((i for i, (a, b) in enumerate(zip(got, ref[r], strict=False)) if a != b), min(len(got), len(ref[r]))))
+
+
+def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness) -> None:
+    script = workload("ddp_basic")
+    h.run("adamw", script, BASIC)
+    h.wait_step("adamw", 8)
+    s1 = h.snapshot("adamw")
+    assert s1["mode"] == "keep-running" and s1["bytes"] > 0 and s1["pause_s"] > 0
+    assert set(s1["phases"]) >= {"preflight", "dump", "checksum", "commit"}
+    assert h.state("adamw") == "running"
+    h.wait_step("adamw", 16)
+    s2 = h.snapshot("adamw", "--stop")
+    assert s2["mode"] == "stop" and {"verify", "end"} <= set(s2["phases"])
+    assert h.wait_end("adamw") == 75  # suspended
+    assert h.state("adamw") == "suspended"
+    assert h.cli_json("verify", s2["snapshot"])["ok"]
+    h.restore(s2["snapshot"])
+    assert h.wait_end("adamw") == 0
+    assert_identical(h, "adamw", script, BASIC, [0, 1])
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["dropout-lr-schedule", "dataloader-2-workers-sampler"])
+def test_dropout_lr_schedule_and_dataloader_workers(h: Harness, workers: int) -> None:
+    script = workload("demo_train")
+    args = ["--steps", "50", "--step-sleep", "0.05", "--workers", str(workers)]
+    name = f"dl{workers}"
+    h.run(name, script, args)
+    h.wait_step(name, 12)
+    h.snapshot(name)
+    h.wait_step(name, 25)
+    s = h.snapshot(name, "--stop")
+    assert h.wait_end(name) == 75
+    h.restore(s["snapshot"])
+    assert h.wait_end(name) == 0
+    assert_identical(h, name, script, args, [0])
+
+
+def test_many_snapshots_stop_restore_twice(h: Harness) -> None:
+    script = workload("ddp_basic")
+    args = ["--steps", "60", "--step-sleep", "0.05"]
+    h.run("many", script, args)
+    for step in (5, 10, 15):
+        h.wait_step("many", step)
+        h.snapshot("many")
+    h.wait_step("many", 20)
+    s = h.snapshot("many", "--stop")
+    assert h.wait_end("many") == 75
+    h.restore(s["snapshot"])
+    h.wait_step("many", 35)
+    s2 = h.snapshot("many", "--stop")
+    assert h.wait_end("many") == 75
+    restored = h.restore(s2["snapshot"])
+    assert restored["restored_from"] == s2["snapshot"]
+    assert h.wait_end("many") == 0
+    assert_identical(h, "many", script, args, [0, 1])
+    snaps = h.ls()
+    assert len(snaps) == 5
+    assert [x["restored_from"] for x in snaps][-1] == s["snapshot"]
+
+
+def test_restore_older_snapshot_after_everything_was_killed(h: Harness, tmp_path: Path) -> None:
+    script = workload("ddp_basic")
+    own = tmp_path / "own-logs"
+    own.mkdir()
+    args = [*BASIC, "--own-log", str(own)]
+    h.run("crash", script, args)
+    h.wait_step("crash", 8)
+    s = h.snapshot("crash")
+    size_at_snapshot = (own / "train-rank0.log").stat().st_size
+    h.wait_step("crash", 20)  # the job runs on; its logs grow past the snapshot
+    assert (own / "train-rank0.log").stat().st_size > size_at_snapshot
+    h.kill_all("crash")
+    assert h.state("crash") == "lost"
+    h.restore(s["snapshot"])
+    assert h.wait_end("crash") == 0
+    # The job's own log was brought back to its state at the snapshot, then continued: no step twice.
+    own_lines = [" ".join(ln.split()[1::2]) for ln in (own / "train-rank1.log").read_text().splitlines()]
+    assert own_lines == h.losses("crash", 1)
+    assert_identical(h, "crash", script, args, [0, 1])  # (the reference run appends to own/ too: last)
+
+
+def _take_pid(pid: int) -> int:
+    """Start a process that gets exactly ``pid`` (through ns_last_pid); return its PID."""
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        child = os.fork()
+        if child == 0:  # pragma: no cover - child
+            signal.pause()
+            os._exit(0)
+        if child == pid:
+            return child
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    raise AssertionError(f"could not take PID {pid}")
+
+
+def test_restore_while_the_original_pids_are_in_use(h: Harness) -> None:
+    script = workload("ddp_basic")
+    h.run("pids", script, BASIC)
+    h.wait_step("pids", 8)
+    original = h.pids("pids")
+    s = h.snapshot("pids", "--stop")
+    assert h.wait_end("pids") == 75
+    squatters = [_take_pid(p) for p in original]
+    try:
+        assert squatters == original
+        h.restore(s["snapshot"])
+        assert h.wait_end("pids") == 0
+        assert_identical(h, "pids", script, BASIC, [0, 1])
+    finally:
+        for p in squatters:
+            os.kill(p, signal.SIGKILL)
+            os.waitpid(p, 0)
+
+
+@pytest.mark.parametrize("fault", ["capture-fail", "capture-hang", "capture-hang-kill"])
+def test_failed_or_timed_out_capture_leaves_the_job_running(h: Harness, fault: str) -> None:
+    script = workload("ddp_basic")
+    args = ["--steps", "60", "--step-sleep", "0.05"]
+    h.run("atomic", script, args)
+    h.wait_step("atomic", 8)
+    before = len(h.losses("atomic"))
+    env = dict(h.env, CRYOSLEEP_FAULT=fault)
+    for stop in ([], ["--stop"]):
+        res = h.cli("snapshot", "--json", "atomic", "--timeout", "4", *stop, check=False, env=env)
+        assert res.returncode != 0, res.stdout
+        assert "capture_failed" in res.stdout
+        assert h.state("atomic") == "running"
+    time.sleep(1.0)
+    assert len(h.losses("atomic")) > before, "the job did not go on after the failed snapshots"
+    assert h.ls() == []
+    store = Path(os.environ["CRYOSLEEP_STORE"])
+    assert not any((store / ".staging").iterdir()), "a failed snapshot left staging files"
+    assert h.wait_end("atomic") == 0
+    assert_identical(h, "atomic", script, args, [0, 1])
+
+
+def test_two_snapshots_at_once_and_snapshot_of_exited_job(h: Harness) -> None:
+    script = workload("ddp_basic")
+    args = ["--steps", "30", "--step-sleep", "0.05"]
+    h.run("busy", script, args)
+    h.wait_step("busy", 5)
+    env = dict(h.env, CRYOSLEEP_FAULT="capture-hang")
+    import subprocess
+    import sys
+
+    slow = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "snapshot", "--json", "busy",
+                             "--timeout", "5"], env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    res = h.cli("snapshot", "--json", "busy", check=False)
+    assert res.returncode == 1 and '"busy"' in res.stdout, res.stdout
+    slow.communicate(timeout=60)
+    assert h.wait_end("busy") == 0
+    assert_identical(h, "busy", script, args, [0, 1])
+    res = h.cli("snapshot", "--json", "busy", check=False)
+    assert res.returncode == 1 and "not running" in res.stdout, res.stdout
+
+
+def test_corrupt_images_are_refused_before_anything_starts(h: Harness) -> None:
+    script = workload("ddp_basic")
+    h.run("corrupt", script, BASIC)
+    h.wait_step("corrupt", 5)
+    s = h.snapshot("corrupt", "--stop")
+    assert h.wait_end("corrupt") == 75
+    store = Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / s["snapshot"]
+    pages = max((store / "nodes/0/criu").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    original = pages.read_bytes()
+    log = h.job("corrupt").rank_log(0)
+    log_before = log.read_bytes()
+
+    for damage in ("truncate", "flip"):
+        if damage == "truncate":
+            pages.write_bytes(original[: len(original) // 2])
+        else:
+            flipped = bytearray(original)
+            flipped[len(flipped) // 3] ^= 0x01
+            pages.write_bytes(bytes(flipped))
+        v = h.cli_json("verify", s["snapshot"], check=False)
+        assert not v["ok"] and any(pages.name in p for p in v["problems"])
+        res = h.cli("restore", "--json", s["snapshot"], check=False)
+        assert res.returncode != 0 and "store_corrupt" in res.stdout and pages.name in res.stdout
+        assert h.state("corrupt") == "suspended"  # nothing started
+        assert log.read_bytes() == log_before  # nothing touched
+    pages.write_bytes(original)
+    h.restore(s["snapshot"])
+    assert h.wait_end("corrupt") == 0
+    assert_identical(h, "corrupt", script, BASIC, [0, 1])
+
+
+def test_unknown_job_and_snapshot(h: Harness) -> None:
+    res = h.cli("snapshot", "--json", "nosuchjob", check=False)
+    assert res.returncode == 1 and '"not_found"' in res.stdout and "no job named" in res.stdout
+    res = h.cli("restore", "--json", "nosuchsnap", check=False)
+    assert res.returncode == 1 and '"not_found"' in res.stdout
+    res = h.cli("show", "--json", "nosuchsnap", check=False)
+    assert res.returncode == 1 and "cryosleep ls" in res.stdout
+
+
+def test_without_criu_a_snapshot_is_refused_and_the_job_goes_on(h: Harness, tmp_path: Path) -> None:
+    script = workload("ddp_basic")
+    args = ["--steps", "30", "--step-sleep", "0.05"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    # The agent looks for CRIU when it snapshots: this job's agent finds none.
+    h.env = dict(h.env, CRYOSLEEP_CRIU_ROOT=str(empty), PATH=f"{empty}:/usr/bin:/bin")
+    h.env.pop("CRYOSLEEP_CRIU", None)
+    assert not Path("/usr/bin/criu").exists() and not Path("/usr/sbin/criu").exists()
+    h.run("nocriu", script, args)
+    h.wait_step("nocriu", 5)
+    res = h.cli("snapshot", "--json", "nocriu", check=False)
+    assert res.returncode == 1 and '"criu_unavailable"' in res.stdout and "cryosleep criu install" in res.stdout
+    assert h.state("nocriu") == "running"
+    res = h.cli("check", "--json", check=False)
+    assert res.returncode == 1 and "cryosleep criu install" in res.stdout
+    assert h.wait_end("nocriu") == 0
+    assert_identical(h, "nocriu", script, args, [0, 1])
+    assert h.ls() == []
+
+
+def test_non_root_gets_a_clear_refusal(h: Harness, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from cryosleep.cli.main import main
+
+    # The interpreter here lives under root's home, which another user cannot enter: pretend instead.
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    for cmd in (["snapshot", "--json", "anyjob"], ["restore", "--json", "anysnap"],
+                ["run", "--json", "--detach", str(workload("ddp_basic"))]):
+        assert main(cmd) == 1
+        out = capsys.readouterr().out
+        assert '"not_eligible"' in out and "needs root" in out and "sudo" in out, out
+    assert main(["check", "--json"]) == 1
+    assert "not root" in capsys.readouterr().out

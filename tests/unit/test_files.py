@@ -1,0 +1,70 @@
+"""Staging the files a job writes, and bringing them back to their state at the snapshot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cryosleep.capture import files
+from cryosleep.errors import RestoreFailed
+
+
+@pytest.fixture
+def writer(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A real process holding two files open for writing (and one for reading)."""
+    log = tmp_path / "out.log"
+    big = tmp_path / "big.bin"
+    ro = tmp_path / "ro.txt"
+    ro.write_text("read only")
+    code = (f"import time\nf = open({str(log)!r}, 'a'); g = open({str(big)!r}, 'wb'); r = open({str(ro)!r})\n"
+            "f.write('hello\\n'); f.flush(); g.write(b'B' * 100000); g.flush()\ntime.sleep(60)\n")
+    p = subprocess.Popen(["python3", "-c", code])
+    for _ in range(100):
+        if log.exists() and big.exists() and big.stat().st_size == 100000:
+            break
+        time.sleep(0.05)
+    yield p, log, big, ro
+    p.kill()
+    p.wait()
+
+
+def test_stage_and_restore_round_trip(writer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    p, log, big, _ro = writer
+    assert set(files.writable_files(p.pid)) == {str(log), str(big)}
+    dest = tmp_path / "stage"
+    staged = files.stage(p.pid, dest, copy_limit=1000)
+    by_path = {s.path: s for s in staged}
+    assert by_path[str(log)].staged is not None and by_path[str(log)].size == 6
+    assert by_path[str(big)].staged is None and by_path[str(big)].size == 100000  # too big: fingerprint
+    assert files.read_index(dest) == staged
+
+    with open(log, "a") as f:
+        f.write("after the snapshot\n")
+    with open(big, "ab") as f:
+        f.write(b"more")
+    assert files.plan_restore(staged, dest) == []
+    files.restore(staged, dest)
+    assert log.read_text() == "hello\n"
+    assert big.stat().st_size == 100000
+
+
+def test_restore_refuses_what_it_cannot_bring_back(writer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    p, log, big, _ = writer
+    dest = tmp_path / "stage"
+    staged = files.stage(p.pid, dest, copy_limit=1000)
+    with open(big, "r+b") as f:  # the bytes before the cut changed: truncation would not bring it back
+        f.seek(99990)
+        f.write(b"X")
+    problems = files.plan_restore(staged, dest)
+    assert len(problems) == 1 and "changed since the snapshot" in problems[0]
+    os.truncate(big, 10)
+    assert "shorter than at the snapshot" in files.plan_restore(staged, dest)[0]
+    log.write_text("something else entirely\n")
+    with pytest.raises(RestoreFailed) as e:
+        files.restore(staged, dest)
+    assert str(big) in e.value.why
+    assert log.read_text() == "something else entirely\n"  # nothing was changed
