@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,3 +70,20 @@ def test_restore_refuses_what_it_cannot_bring_back(writer, tmp_path: Path) -> No
         files.restore(staged, dest)
     assert str(big) in e.value.why
     assert log.read_text() == "something else entirely\n"  # nothing was changed
+
+
+def test_stage_across_filesystems(writer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The store may sit on another filesystem than the job's files (tmpfs vs disk)."""
+    p, log, _big, _ro = writer
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's tmp dir")
+    dest = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        staged = files.stage(p.pid, dest, copy_limit=10**6)
+        assert {s.path for s in staged} == {str(log), str(_big)}
+        log.write_text("changed\n")
+        files.restore(staged, dest)
+        assert log.read_text() == "hello\n"
+    finally:
+        shutil.rmtree(dest)

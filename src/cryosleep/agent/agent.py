@@ -136,6 +136,7 @@ class Agent:
         self._server: socket.socket | None = None
         self._signals = 0
         self._handlers: list[threading.Thread] = []
+        self.restore_phases: dict[str, float] = {}
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -187,6 +188,7 @@ class Agent:
                               restored_from=restored.manifest.id)
         self._save()
         self.tail = LogTail(self.job, self.spec.ranks, self.out, from_end=True)
+        self.restore_phases = restored.phases.rounded()
         return restored
 
     # -- supervising ------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     images.mkdir(parents=True, exist_ok=True)
     log = node_dir / "dump.log"
     script, env = hook_command(root_pid, node_dir / "files")
+    env["CRYOSLEEP_HOOK_ERR"] = str(node_dir / "hook.err")
     cmd = criu.command(
         "dump", "-t", str(root_pid), "-D", str(images), "-W", str(node_dir), "-o", "dump.log", "-v4",
         "--tcp-established", "--network-lock", "nftables", "--file-locks",
@@ -135,9 +136,11 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     rid = run_id(log)
     if proc.returncode != 0:
         release(criu, root_pid, rid)
+        hook_err = node_dir / "hook.err"
+        ours = hook_err.read_text().splitlines() if hook_err.exists() else []
         raise CaptureFailed(
             f"CRIU could not dump the job (exit code {proc.returncode})",
-            log_tail(log) or out.decode(errors="replace")[-2000:],
+            "\n".join([*ours, log_tail(log)]) or out.decode(errors="replace")[-2000:],
             "the job was resumed and goes on running; `cryosleep check --job NAME` lists what blocks a dump",
             log=str(log),
         )

@@ -9,6 +9,7 @@ hook), so it is exactly what CRIU saw.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -42,6 +43,27 @@ def writable_files(root_pid: int) -> list[str]:
     return list(seen)
 
 
+def copy_prefix(src: int, dst: int, size: int) -> None:
+    """Copy the first ``size`` bytes of ``src`` to ``dst``: in the kernel where it can, else by reads."""
+    left = size
+    try:
+        while left > 0:
+            n = os.copy_file_range(src, dst, left)
+            if n == 0:
+                return
+            left -= n
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+    while left > 0:  # across filesystems (the store on another disk than the job's files)
+        block = os.pread(src, min(left, 1 << 20), size - left)
+        if not block:
+            return
+        os.write(dst, block)
+        left -= len(block)
+
+
 def _hash_range(path: str, start: int, end: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -70,12 +92,7 @@ def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT) -> li
         if size <= copy_limit:
             name = f"{i:04d}"
             with open(path, "rb") as src, open(dest / name, "wb") as dst:
-                left = size
-                while left > 0:
-                    n = os.copy_file_range(src.fileno(), dst.fileno(), left)
-                    if n == 0:
-                        break
-                    left -= n
+                copy_prefix(src.fileno(), dst.fileno(), size)
             digest = _hash_range(str(dest / name), 0, size)
             staged = name
         out.append(StagedFile(path=path, size=size, mode=stat.S_IMODE(st.st_mode), staged=staged,
@@ -127,11 +144,6 @@ def restore(staged: list[StagedFile], files_dir: Path) -> None:
             continue
         tmp = f"{s.path}.cryosleep-restore"
         with open(files_dir / s.staged, "rb") as src, open(tmp, "wb") as dst:
-            left = s.size
-            while left > 0:
-                n = os.copy_file_range(src.fileno(), dst.fileno(), left)
-                if n == 0:
-                    break
-                left -= n
+            copy_prefix(src.fileno(), dst.fileno(), s.size)
         os.chmod(tmp, s.mode)
         os.replace(tmp, s.path)

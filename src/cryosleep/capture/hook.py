@@ -17,6 +17,16 @@ from pathlib import Path
 from cryosleep.capture import files
 
 
+def fail(msg: str) -> int:
+    """Report to the agent (CRIU does not pass a script's output on) and make CRIU fail the dump."""
+    err = os.environ.get("CRYOSLEEP_HOOK_ERR")
+    if err:
+        with open(err, "a") as f:
+            f.write(f"cryosleep hook: {msg}\n")
+    print(f"cryosleep hook: {msg}", file=sys.stderr)
+    return 1
+
+
 def main() -> int:
     action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
     if action != "post-dump":
@@ -27,12 +37,10 @@ def main() -> int:
     try:
         files.stage(root, dest, limit)
     except OSError as e:
-        print(f"cryosleep hook: staging the job's files failed: {e}", file=sys.stderr)
-        return 1
+        return fail(f"staging the job's files failed: {e}")
     fault = os.environ.get("CRYOSLEEP_FAULT", "")
     if fault == "capture-fail":
-        print("cryosleep hook: injected capture failure (CRYOSLEEP_FAULT=capture-fail)", file=sys.stderr)
-        return 1
+        return fail("injected capture failure (CRYOSLEEP_FAULT=capture-fail)")
     if fault in ("capture-hang", "capture-hang-kill"):
         time.sleep(3600)
     return 0

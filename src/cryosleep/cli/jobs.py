@@ -187,7 +187,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
         return agent
 
     def describe(agent: Agent) -> dict[str, Any]:
-        return {**_describe(agent), "snapshot": manifest.id}
+        return {**_describe(agent), "snapshot": manifest.id, "phases": agent.restore_phases}
 
     if a.detach:
         return _detached(job.agent_log, start, describe, a.json)

@@ -12,7 +12,7 @@ from cryosleep.errors import CryosleepError, NotEligible
 
 
 def emit_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
     sys.stdout.flush()
 
 

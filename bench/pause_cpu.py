@@ -1,0 +1,94 @@
+"""Pause per phase and image size against the workers' memory, for CPU jobs (docs/benchmarks.md).
+
+    sudo .venv/bin/python bench/pause_cpu.py [--mem-mb 0 2048] [--nproc 2]
+
+For each size it starts ddp_basic (gloo DDP, AdamW) with that much extra state per rank under
+`cryosleep run`, takes two keep-running snapshots and a stop snapshot, restores, and prints one markdown
+row per snapshot: pause, each phase, image bytes and the workers' resident memory. It uses its own
+CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
+
+
+def cli(env: dict[str, str], *args: str) -> dict[str, object]:
+    res = subprocess.run([sys.executable, "-m", "cryosleep.cli.main", args[0], "--json", *args[1:]],
+                         capture_output=True, text=True, env=env, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"cryosleep {' '.join(args)} failed:\n{res.stdout}\n{res.stderr}")
+    out: dict[str, object] = json.loads(res.stdout)
+    return out
+
+
+def wait_lines(log: Path, n: int, timeout: float = 600) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if log.exists() and log.read_text().count("\n") >= n:
+            return
+        time.sleep(0.1)
+    raise SystemExit(f"{log} did not reach {n} lines")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mem-mb", type=int, nargs="+", default=[0, 2048])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--store-parent", default="/tmp", help="where the store goes (a disk, or /dev/shm)")
+    a = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="cryosleep-bench-"))
+    store = Path(tempfile.mkdtemp(prefix="cryosleep-bench-store-", dir=a.store_parent))
+    env = dict(os.environ, CRYOSLEEP_HOME=str(tmp / "home"), CRYOSLEEP_STORE=str(store))
+    from cryosleep import paths
+
+    env.setdefault("CRYOSLEEP_CRIU_ROOT", str(paths.criu_root()))
+    rows = []
+    try:
+        for mem in a.mem_mb:
+            name = f"bench{mem}"
+            cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), str(WORKLOAD),
+                "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem))
+            log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
+            wait_lines(log, 5)
+            for kind in ("keep-running", "keep-running", "stop"):
+                res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []))
+                rows.append((mem, kind, res))
+                if kind != "stop":
+                    cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
+                time.sleep(1)
+            time.sleep(2)
+            restored = cli(env, "restore", "--detach", str(rows[-1][2]["snapshot"]))
+            rows.append((mem, "restore", restored))
+            wait_lines(log, log.read_text().count("\n") + 3)
+            subprocess.run(["pkill", "-9", "-f", "--", f"--name {name}"], check=False)
+            st = json.loads((tmp / "home" / "jobs" / name / "job.json").read_text())["state"]
+            os.kill(st["init_pid"], 9)
+            time.sleep(1)
+    finally:
+        print("| extra MiB/rank | snapshot | pause s | phases (s) | image | workers' RSS |")
+        print("|---|---|---|---|---|---|")
+        for mem, kind, res in rows:
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]
+            if kind == "restore":
+                print(f"| {mem} | restore | - | {phases} | - | - |")
+                continue
+            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {phases} | {int(res['bytes']) / 2**20:.0f} MiB "  # type: ignore[call-overload]
+                  f"| {int(res['rss_bytes']) / 2**20:.0f} MiB |")  # type: ignore[call-overload]
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
