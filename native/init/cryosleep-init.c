@@ -1,7 +1,7 @@
 /*
  * cryosleep-init: PID 1 of a Cryosleep sandbox.
  *
- *   cryosleep-init --spawn -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]
+ *   cryosleep-init --spawn [--mount-ns] -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]
  *
  * With --spawn the program unshares a new PID namespace, forks the init into it and prints the init's
  * host PID on stdout before exiting, so that the init is re-parented to the caller (which must be a
@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -50,7 +51,7 @@ static void die(const char *what) {
 }
 
 static void usage(void) {
-	fprintf(stderr, "usage: cryosleep-init [--spawn] -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]\n");
+	fprintf(stderr, "usage: cryosleep-init [--spawn [--mount-ns]] -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]\n");
 	exit(2);
 }
 
@@ -189,12 +190,14 @@ static int run_init(int nproc, int rank_base, const char *log_dir, char **argv) 
 }
 
 int main(int argc, char **argv) {
-	int spawn = 0, nproc = -1, rank_base = 0, i;
+	int spawn = 0, mount_ns = 0, nproc = -1, rank_base = 0, i;
 	const char *log_dir = NULL;
 
 	for (i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--spawn"))
 			spawn = 1;
+		else if (!strcmp(argv[i], "--mount-ns"))
+			mount_ns = 1;
 		else if (!strcmp(argv[i], "-n") && i + 1 < argc)
 			nproc = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "-b") && i + 1 < argc)
@@ -211,7 +214,7 @@ int main(int argc, char **argv) {
 		usage();
 
 	if (spawn) {
-		if (unshare(CLONE_NEWPID) < 0)
+		if (unshare(CLONE_NEWPID | (mount_ns ? CLONE_NEWNS : 0)) < 0)
 			die("unshare(CLONE_NEWPID)");
 		pid_t pid = fork();
 		if (pid < 0)
@@ -221,6 +224,20 @@ int main(int argc, char **argv) {
 			fflush(stdout);
 			_exit(0);
 		}
+		if (mount_ns) {
+			/*
+			 * A /proc of our own PID namespace: the CUDA driver reads /proc/self/task/<tid>/comm with
+			 * the tid it sees, which only the namespace's own /proc has. Mounts stay private so that
+			 * nothing propagates back to the host.
+			 */
+			if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+				die("make / private");
+			if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+				die("mount /proc");
+		}
+		/* Nothing opened outside the namespace is kept: CRIU could not place its mount. */
+		for (int fd = 3; fd < 1024; fd++)
+			close(fd);
 		/* In the new namespace: stdout was the spawner's pipe; nothing of it is kept. */
 		int null = open("/dev/null", O_RDWR);
 		if (null < 0)
@@ -230,6 +247,28 @@ int main(int argc, char **argv) {
 		dup2(null, 2);
 		if (null > 2)
 			close(null);
+		if (mount_ns) {
+			/*
+			 * Execute ourselves again, so that even our own binary is mapped through the new mount
+			 * namespace (CRIU cannot place a mapping whose mount lives outside the dumped tree).
+			 */
+			char **args = calloc((size_t)argc + 1, sizeof(char *));
+			int n = 0;
+			if (!args)
+				die("calloc");
+			args[n++] = argv[0];
+			for (int k = 1; k < argc; k++)
+				if (strcmp(argv[k], "--spawn") && strcmp(argv[k], "--mount-ns"))
+					args[n++] = argv[k];
+			/* By path, not through the /proc/self/exe magic link, which would keep the host's mount. */
+			char self[4096];
+			ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+			if (len <= 0)
+				die("readlink /proc/self/exe");
+			self[len] = 0;
+			execv(self, args);
+			die("re-exec in the sandbox");
+		}
 	}
 	return run_init(nproc, rank_base, log_dir, &argv[i]);
 }

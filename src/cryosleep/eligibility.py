@@ -86,6 +86,26 @@ def system_checks() -> list[Check]:
 GPU_DEVICES = ("/dev/nvidia", "/dev/dri")
 
 
+def _gpu_process(pid: int, who: str) -> list[Check]:
+    from cryosleep.capture import cuda
+
+    out: list[Check] = []
+    if not cuda.available():
+        out.append(Check("gpu", False, f"{who} uses a GPU, but the CUDA driver's checkpoint API is not available "
+                                       "to the agent (libcuda with cuCheckpointProcessLock, driver >= 550)"))
+    maps = proctree.maps_paths(pid)
+    nccl = any("/libnccl" in m for m in maps)
+    intercepted = any("libcryosleep_nccl" in m for m in maps)
+    if nccl and not intercepted:
+        out.append(Check("nccl", False, f"{who} has NCCL loaded without Cryosleep's interceptor: if it holds live "
+                                        "communicators, the CUDA checkpoint fails and the snapshot is rolled back "
+                                        "(FACTS.md)", fatal=False))
+    env = proctree.environ(pid)
+    if nccl and env.get("NCCL_NVLS_ENABLE", "") != "0":
+        out.append(Check("nvls", False, f"{who}: NCCL_NVLS_ENABLE is not 0 (NVLink multicast cannot be captured)"))
+    return out
+
+
 def process_checks(root_pid: int) -> list[Check]:
     """What the processes of a sandbox hold that CRIU cannot capture (empty list: nothing found)."""
     problems: list[Check] = []
@@ -102,10 +122,8 @@ def process_checks(root_pid: int) -> list[Check]:
                 problems.append(Check("io_uring", False,
                                       f"{who} holds an io_uring, which CRIU cannot dump (PyTorch's libuv TCPStore "
                                       "does this: run the job with USE_LIBUV=0, as `cryosleep run` does)"))
-            elif f.target.startswith(GPU_DEVICES):
-                problems.append(Check("gpu", False,
-                                      f"{who} holds {f.target}: GPU state needs the CUDA checkpoint path, "
-                                      "which this version captures only for jobs started with GPU support"))
+        if any(f.target.startswith(GPU_DEVICES) for f in proctree.open_files(pid)):
+            problems.extend(_gpu_process(pid, who))
     seen: set[tuple[str, str]] = set()
     unique = []
     for c in problems:

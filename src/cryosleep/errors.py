@@ -17,12 +17,18 @@ from __future__ import annotations
 
 from typing import Any
 
+_KINDS: dict[str, type[CryosleepError]] = {}
+
 
 class CryosleepError(Exception):
     """Base of every error shown to a user: ``what`` failed, ``why``, and a ``hint`` on what to do."""
 
     exit_code = 1
     kind = "error"
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        _KINDS[cls.kind] = cls  # so that from_json gives back the same class
 
     def __init__(self, what: str, why: str = "", hint: str = "", **details: Any) -> None:
         super().__init__(what)
@@ -79,11 +85,7 @@ class CriuUnavailable(CryosleepError):
     kind = "criu_unavailable"
 
 
-_KINDS: dict[str, type[CryosleepError]] = {
-    cls.kind: cls
-    for cls in (CryosleepError, UsageError, NotFound, NotEligible, CaptureFailed, RestoreFailed, StoreCorrupt,
-                Busy, CriuUnavailable)
-}
+_KINDS["error"] = CryosleepError
 
 
 def from_json(data: dict[str, Any]) -> CryosleepError:

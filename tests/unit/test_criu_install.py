@@ -29,7 +29,7 @@ from cryosleep.errors import CriuUnavailable, CryosleepError
 needs_apt = pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt-get to download packages")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="criu check needs root")
 
-ENV_VARS = ("CRYOSLEEP_HOME", "CRYOSLEEP_CRIU", "CRYOSLEEP_DEBIAN_MIRROR")
+ENV_VARS = ("CRYOSLEEP_HOME", "CRYOSLEEP_CRIU", "CRYOSLEEP_CRIU_ROOT", "CRYOSLEEP_DEBIAN_MIRROR")
 
 
 @pytest.fixture(autouse=True)

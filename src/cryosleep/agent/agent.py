@@ -160,7 +160,7 @@ class Agent:
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
         self._save()
-        cmd = [str(init), "--spawn", "-n", str(self.spec.nproc_per_node), "-b", str(self.spec.ranks[0]),
+        cmd = [str(init), "--spawn", "--mount-ns", "-n", str(self.spec.nproc_per_node), "-b", str(self.spec.ranks[0]),
                "-l", str(self.job.logs), "--", *self.spec.program]
         try:
             res = subprocess.run(cmd, env=env, cwd=self.spec.cwd, capture_output=True, text=True, check=True)
@@ -173,7 +173,7 @@ class Agent:
         self.tail = LogTail(self.job, self.spec.ranks, self.out)
 
     def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
-                timeout: float = 600.0) -> capture_restore.Restored:
+                timeout: float = 600.0, gpu_map: list[int] | None = None) -> capture_restore.Restored:
         """Bring the job back from a snapshot into a fresh sandbox."""
         become_subreaper()
 
@@ -181,7 +181,7 @@ class Agent:
             self.lock_fd = self.job.take_lock()
 
         restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
-                                           progress=progress, before_criu=lock)
+                                           progress=progress, before_criu=lock, gpu_map=gpu_map)
         self.spec = restored.spec
         self.runtime = {k: v for k, v in restored.manifest.host.items() if k in ("python", "torch")}
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",

@@ -95,8 +95,31 @@ def hook_command(root_pid: int, stage_dir: Path) -> tuple[str, dict[str, str]]:
     return str(script), env
 
 
+def external_mounts(pid: int) -> list[str]:
+    """Mountpoints of the sandbox's mount namespace that CRIU should take from the host as they are.
+
+    The sandbox is a copy of the host's mounts plus its own /proc (see cryosleep-init --mount-ns). Every
+    mount but / and /proc is declared external: CRIU records it by path and bind-mounts the host's at
+    restore, instead of dumping (say) the whole of /dev/shm or recreating /sys.
+    """
+    out: list[str] = []
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        mountpoint = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if mountpoint not in ("/", "/proc") and mountpoint not in out:
+            out.append(mountpoint)
+    return out
+
+
+def _external_args(mounts: list[str]) -> list[str]:
+    args: list[str] = []
+    for m in mounts:
+        args += ["--external", f"mnt[{m}]:{m}"]
+    return args
+
+
 def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: float,
-         extra_env: dict[str, str] | None = None) -> DumpResult:
+         extra_env: dict[str, str] | None = None, mounts: list[str] | None = None) -> DumpResult:
     """Dump the tree of ``root_pid`` into ``node_dir/criu``; stage its files into ``node_dir/files``.
 
     On failure or timeout every task is left running (CRIU resumes them; after a kill we detach, remove
@@ -115,7 +138,7 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
         # copied into the image as CRIU "ghost" files, up to this size each.
         "--ghost-limit", str(GHOST_LIMIT),
         "--leave-running" if leave == "running" else "--leave-stopped",
-        "--action-script", script,
+        "--action-script", script, *_external_args(mounts or []),
     )
     full_env = dict(os.environ, **env, **(extra_env or {}))
     start = time.monotonic()
@@ -235,7 +258,7 @@ def release(criu: Criu, root_pid: int, rid: str | None, repair: bool = False) ->
             pass
 
 
-def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float) -> int:
+def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts: list[str] | None = None) -> int:
     """Restore a sandbox detached (it is re-parented to the calling subreaper); return its init's PID."""
     work_dir.mkdir(parents=True, exist_ok=True)
     pidfile = work_dir / "restore.pid"
@@ -244,6 +267,7 @@ def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float) -> int:
     cmd = criu.command(
         "restore", "-D", str(images), "-W", str(work_dir), "-o", "restore.log", "-v4",
         "--tcp-established", "--file-locks", "--restore-detached", "--pidfile", str(pidfile),
+        *(["--root", "/", *_external_args(mounts)] if mounts else []),
     )
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)

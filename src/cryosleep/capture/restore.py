@@ -4,6 +4,8 @@
     compat    this machine can take the image: kernel, CRIU, the job name free, paths present
     files     the job's files brought back to their state at the snapshot
     restore   CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash)
+    cuda-restore, cuda-unlock
+              (GPU jobs) device memory back, onto other GPUs through a UUID map when they differ
 
 Rollback: if CRIU fails after the files were put back, nothing of the job is running; the files stay at the
 snapshot's state, which is what a retry needs.
@@ -11,14 +13,18 @@ snapshot's state, which is what a retry needs.
 
 from __future__ import annotations
 
+import os
 import platform
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from cryosleep.agent import proctree
 from cryosleep.agent.job import JobSpec
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, files
+from cryosleep.capture import criu_install, cuda, files
 from cryosleep.errors import NotEligible, RestoreFailed, StoreCorrupt
 from cryosleep.store.local import LocalStore
 from cryosleep.store.manifest import Manifest
@@ -58,11 +64,39 @@ def compat_problems(manifest: Manifest, criu: criu_install.Criu) -> list[str]:
         problems.append(f"the job's program {prog[0]} does not exist here")
     if len(manifest.nodes) != 1:
         problems.append(f"the snapshot has {len(manifest.nodes)} nodes; a one-node restore takes one")
+    here = set(criu_calls.external_mounts(os.getpid()))
+    missing = [m for n in manifest.nodes for m in n.mounts if m not in here]
+    if missing:
+        problems.append("mountpoints the job's sandbox binds are not mounted here: " + ", ".join(missing))
     return problems
 
 
+def gpu_pairs(captured: list[dict[str, Any]], here: list[cuda.Gpu], gpu_map: list[int] | None) -> list[
+        tuple[bytes, bytes]]:
+    """The CUDA restore map: captured GPU i goes to GPU ``gpu_map[i]`` here (default: by position).
+
+    An empty list means "the same GPUs", which the driver takes without a map."""
+    if len(captured) != len(here):
+        raise NotEligible("this machine has a different number of GPUs",
+                          f"captured with {len(captured)}, {len(here)} here", "restore onto matching GPUs")
+    names = {g["name"] for g in captured} | {g.name for g in here}
+    if len(names) > 1:
+        raise NotEligible("the GPU model differs", f"captured on {captured[0]['name']}, here {here[0].name}",
+                          "restore onto GPUs of the same model")
+    order = gpu_map if gpu_map is not None else list(range(len(here)))
+    if sorted(order) != list(range(len(here))):
+        raise NotEligible(f"--gpu-map {','.join(map(str, order))} is not a permutation of the {len(here)} GPUs",
+                          "every GPU must appear once", "e.g. --gpu-map 1,0 swaps two GPUs")
+    new = [here[i].uuid_str for i in order]
+    old = [g["uuid"] for g in captured]
+    if old == new:
+        return []
+    return cuda.uuid_pairs(old, new)
+
+
 def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600.0,
-            progress: Progress | None = None, before_criu: Callable[[Manifest], None] | None = None) -> Restored:
+            progress: Progress | None = None, before_criu: Callable[[Manifest], None] | None = None,
+            gpu_map: list[int] | None = None) -> Restored:
     phases = Phases(progress)
     criu = criu_install.locate()
     with phases.phase("verify"):
@@ -79,7 +113,10 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
     base = store.path_of(manifest.id)
     node = manifest.nodes[0]
     node_dir = base / "nodes" / str(node.node_rank)
+    pairs: list[tuple[bytes, bytes]] = []
     with phases.phase("compat"):
+        if node.gpu:
+            pairs = gpu_pairs(node.gpu["gpus"], cuda.driver().gpus(), gpu_map)
         problems = compat_problems(manifest, criu)
         problems += files.plan_restore(node.staged, node_dir / "files")
         if problems:
@@ -95,9 +132,36 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
         files.restore(node.staged, node_dir / "files")
     with phases.phase("restore"):
         try:
-            init_pid = criu_calls.restore(criu, node_dir / "criu", work_dir, timeout=timeout)
+            init_pid = criu_calls.restore(criu, node_dir / "criu", work_dir, timeout=timeout, mounts=node.mounts)
         except RestoreFailed:
             raise
         except OSError as e:
             raise RestoreFailed("CRIU could not be started", str(e), "run `cryosleep check`") from e
+    if node.gpu.get("cuda_pids"):
+        gpus = cuda.GpuSet(host_pids(init_pid, node.gpu["cuda_pids"]))
+        try:
+            with phases.phase("cuda-restore"):
+                gpus.restore(pairs)
+            with phases.phase("cuda-unlock"):
+                gpus.unlock()
+        except BaseException:
+            _kill_tree(init_pid)  # a half-restored GPU job must not linger
+            raise
     return Restored(manifest, spec, init_pid, phases)
+
+
+def host_pids(init_pid: int, ns_pids: list[int]) -> list[int]:
+    """Host PIDs of the restored processes that had these PIDs inside their namespace."""
+    by_ns = {proctree.ns_pid(p): p for p in proctree.tree(init_pid)}
+    missing = [n for n in ns_pids if n not in by_ns]
+    if missing:
+        raise RestoreFailed("restored CUDA processes are missing", f"namespace PIDs {missing} not found",
+                            "see the CRIU restore log")
+    return [by_ns[n] for n in ns_pids]
+
+
+def _kill_tree(init_pid: int) -> None:
+    try:
+        os.kill(init_pid, signal.SIGKILL)  # PID 1 of the namespace: the kernel ends the rest
+    except ProcessLookupError:
+        pass

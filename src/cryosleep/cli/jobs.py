@@ -51,6 +51,8 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r.add_argument("snapshot")
     r.add_argument("--store", type=Path, default=None)
     r.add_argument("--timeout", type=float, default=600.0)
+    r.add_argument("--gpu-map", help="GPU i of the snapshot goes to GPU MAP[i] here, e.g. 1,0 swaps two GPUs "
+                   "(default: by position)")
     r.add_argument("--detach", action="store_true")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_restore)
@@ -178,12 +180,17 @@ def cmd_restore(a: argparse.Namespace) -> int:
     require_root("restoring a snapshot")
     store = LocalStore(a.store or paths.default_store())
     manifest = store.load(a.snapshot)
+    try:
+        gpu_map = [int(x) for x in a.gpu_map.split(",")] if a.gpu_map else None
+    except ValueError:
+        raise UsageError(f"bad --gpu-map {a.gpu_map!r}", "expected GPU indexes separated by commas",
+                         "e.g. --gpu-map 1,0") from None
     job = JobDir(manifest.job_name)
     printer = PhasePrinter(not a.json and not a.detach)
 
     def start(out: Any) -> Agent:
         agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
-        agent.restore(store, manifest.id, progress=printer, timeout=a.timeout)
+        agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map)
         return agent
 
     def describe(agent: Agent) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class NodeImage:
     staged: list[StagedFile] = field(default_factory=list)
     processes: int = 0
     rss_bytes: int = 0
+    gpu: dict[str, Any] = field(default_factory=dict)  # driver, gpus [{index, uuid, name}], cuda_pids
+    mounts: list[str] = field(default_factory=list)  # host mountpoints the sandbox binds (CRIU externals)
 
     @property
     def bytes(self) -> int:
@@ -102,6 +104,8 @@ class Manifest:
                     staged=[StagedFile(**s) for s in n["staged"]],
                     processes=n.get("processes", 0),
                     rss_bytes=n.get("rss_bytes", 0),
+                    gpu=n.get("gpu") or {},
+                    mounts=list(n.get("mounts") or []),
                 )
             )
         return cls(

@@ -1,8 +1,10 @@
-"""Pause per phase and image size against the workers' memory, for CPU jobs (docs/benchmarks.md).
+"""Pause per phase and image size against the workers' memory (docs/benchmarks.md).
 
-    sudo .venv/bin/python bench/pause_cpu.py [--mem-mb 0 2048] [--nproc 2]
+    sudo .venv/bin/python bench/pause.py [--mem-mb 0 2048] [--nproc 2] [--store-parent /dev/shm]
+    sudo python3 bench/pause.py --gpu --mem-mb 2048 8192 24576 --nproc 1     (on a GPU machine)
 
-For each size it starts ddp_basic (gloo DDP, AdamW) with that much extra state per rank under
+For each size it starts ddp_basic (gloo DDP, AdamW; with --gpu: tests/gpu/workloads/cuda_train.py, its
+extra state in device memory) with that much extra state per rank under
 `cryosleep run`, takes two keep-running snapshots and a stop snapshot, restores, and prints one markdown
 row per snapshot: pause, each phase, image bytes and the workers' resident memory. It uses its own
 CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
@@ -22,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
+GPU_WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 
 
 def cli(env: dict[str, str], *args: str) -> dict[str, object]:
@@ -47,6 +50,8 @@ def main() -> None:
     p.add_argument("--mem-mb", type=int, nargs="+", default=[0, 2048])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--store-parent", default="/tmp", help="where the store goes (a disk, or /dev/shm)")
+    p.add_argument("--gpu", action="store_true", help="a CUDA job, its extra state on the GPU")
+    p.add_argument("--restore-gpu-map", default="", help="restore the stop snapshot with this --gpu-map")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cryosleep-bench-"))
     store = Path(tempfile.mkdtemp(prefix="cryosleep-bench-store-", dir=a.store_parent))
@@ -58,8 +63,11 @@ def main() -> None:
     try:
         for mem in a.mem_mb:
             name = f"bench{mem}"
-            cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), str(WORKLOAD),
-                "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem))
+            if a.gpu:
+                job = [str(GPU_WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-gib", str(mem / 1024)]
+            else:
+                job = [str(WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem)]
+            cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), *job)
             log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
             wait_lines(log, 5)
             for kind in ("keep-running", "keep-running", "stop"):
@@ -69,7 +77,8 @@ def main() -> None:
                     cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
                 time.sleep(1)
             time.sleep(2)
-            restored = cli(env, "restore", "--detach", str(rows[-1][2]["snapshot"]))
+            gmap = ["--gpu-map", a.restore_gpu_map] if a.restore_gpu_map else []
+            restored = cli(env, "restore", "--detach", *gmap, str(rows[-1][2]["snapshot"]))
             rows.append((mem, "restore", restored))
             wait_lines(log, log.read_text().count("\n") + 3)
             subprocess.run(["pkill", "-9", "-f", "--", f"--name {name}"], check=False)
@@ -77,7 +86,8 @@ def main() -> None:
             os.kill(st["init_pid"], 9)
             time.sleep(1)
     finally:
-        print("| extra MiB/rank | snapshot | pause s | phases (s) | image | workers' RSS |")
+        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | phases (s) | image "
+              "| workers' RSS |")
         print("|---|---|---|---|---|---|")
         for mem, kind, res in rows:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]

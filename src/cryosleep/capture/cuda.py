@@ -1,0 +1,279 @@
+"""The CUDA driver's checkpoint API, called from the agent on the workers' PIDs (FACTS.md).
+
+    lock(pid, timeout)      wait for the process's in-flight GPU work, then block its CUDA calls
+    checkpoint(pid)         copy its device memory to host memory and release the GPU
+    restore(pid, pairs)     bring device memory back, onto other GPUs when ``pairs`` maps old UUID -> new
+    unlock(pid)             let its CUDA calls run again
+    state(pid)              RUNNING, LOCKED, CHECKPOINTED or FAILED
+
+The order around CRIU that works: lock, checkpoint, CRIU dump, [kill; CRIU restore], restore, unlock.
+Every function raises CudaError with the driver's own name for what went wrong.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+
+from cryosleep.agent import proctree
+from cryosleep.errors import CryosleepError
+
+
+class CudaError(CryosleepError):
+    kind = "cuda_error"
+
+
+class ProcState(enum.IntEnum):
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+class LockArgs(ctypes.Structure):
+    """CUcheckpointLockArgs: 64 bytes."""
+
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class GpuPair(ctypes.Structure):
+    """CUcheckpointGpuPair: two 16-byte CUuuid (old, new)."""
+
+    _fields_ = [("oldUuid", ctypes.c_char * 16), ("newUuid", ctypes.c_char * 16)]
+
+
+class RestoreArgs(ctypes.Structure):
+    """CUcheckpointRestoreArgs (CUDA 13.0): 64 bytes."""
+
+    _fields_ = [("gpuPairs", ctypes.POINTER(GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_char * 44), ("reserved1", ctypes.c_uint64)]
+
+
+assert ctypes.sizeof(LockArgs) == 64 and ctypes.sizeof(RestoreArgs) == 64 and ctypes.sizeof(GpuPair) == 32
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: bytes  # 16 raw bytes
+    name: str
+
+    @property
+    def uuid_str(self) -> str:
+        h = self.uuid.hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class Driver:
+    """libcuda loaded once; cuInit(0) called once (needed before the checkpoint API works on other PIDs)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self._check(lib.cuInit(0), "cuInit")
+
+    def _error_text(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        desc = ctypes.c_char_p()
+        self.lib.cuGetErrorName(code, ctypes.byref(name))
+        self.lib.cuGetErrorString(code, ctypes.byref(desc))
+        n = name.value.decode() if name.value else f"CUDA error {code}"
+        d = desc.value.decode() if desc.value else ""
+        return f"{n}: {d}" if d else n
+
+    def _check(self, code: int, call: str, pid: int | None = None) -> None:
+        if code != 0:
+            who = f" for PID {pid}" if pid is not None else ""
+            raise CudaError(f"{call}{who} failed", self._error_text(code),
+                            "see `cryosleep check`: driver version, persistence mode, NCCL/IPC state", code=code)
+
+    def state(self, pid: int) -> ProcState:
+        st = ctypes.c_int(-1)
+        self._check(self.lib.cuCheckpointProcessGetState(pid, ctypes.byref(st)), "cuCheckpointProcessGetState",
+                    pid)
+        return ProcState(st.value)
+
+    def lock(self, pid: int, timeout_s: float) -> None:
+        args = LockArgs(timeoutMs=max(1, int(timeout_s * 1000)))
+        self._check(self.lib.cuCheckpointProcessLock(pid, ctypes.byref(args)), "cuCheckpointProcessLock", pid)
+
+    def checkpoint(self, pid: int) -> None:
+        self._check(self.lib.cuCheckpointProcessCheckpoint(pid, None), "cuCheckpointProcessCheckpoint", pid)
+
+    def restore(self, pid: int, pairs: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        if pairs:
+            arr = (GpuPair * len(pairs))(*[GpuPair(o, n) for o, n in pairs])
+            args = RestoreArgs(gpuPairs=arr, gpuPairsCount=len(pairs))
+            code = self.lib.cuCheckpointProcessRestore(pid, ctypes.byref(args))
+        else:
+            code = self.lib.cuCheckpointProcessRestore(pid, None)
+        self._check(code, "cuCheckpointProcessRestore", pid)
+
+    def unlock(self, pid: int) -> None:
+        self._check(self.lib.cuCheckpointProcessUnlock(pid, None), "cuCheckpointProcessUnlock", pid)
+
+    def gpus(self) -> list[Gpu]:
+        count = ctypes.c_int(0)
+        self._check(self.lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        out = []
+        for i in range(count.value):
+            dev = ctypes.c_int(0)
+            self._check(self.lib.cuDeviceGet(ctypes.byref(dev), i), "cuDeviceGet")
+            uuid = (ctypes.c_char * 16)()
+            self._check(self.lib.cuDeviceGetUuid_v2(ctypes.byref(uuid), dev), "cuDeviceGetUuid_v2")
+            name = ctypes.create_string_buffer(256)
+            self._check(self.lib.cuDeviceGetName(name, 256, dev), "cuDeviceGetName")
+            out.append(Gpu(i, bytes(uuid.raw), name.value.decode(errors="replace")))
+        return out
+
+    def version(self) -> int:
+        v = ctypes.c_int(0)
+        self._check(self.lib.cuDriverGetVersion(ctypes.byref(v)), "cuDriverGetVersion")
+        return v.value
+
+
+@cache
+def driver() -> Driver:
+    """The CUDA driver, or CudaError when this machine has none (CI)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise CudaError("the CUDA driver (libcuda.so.1) is not available", str(e),
+                        "GPU jobs need the NVIDIA driver on this machine") from e
+    if not hasattr(lib, "cuCheckpointProcessLock"):
+        raise CudaError("this CUDA driver has no checkpoint API", "cuCheckpointProcessLock is missing",
+                        "install an NVIDIA driver >= 550 (570+ for restore onto other GPUs)")
+    return Driver(lib)
+
+
+def available() -> bool:
+    try:
+        driver()
+        return True
+    except CudaError:
+        return False
+
+
+GPU_DEVICE_PREFIX = "/dev/nvidia"
+
+
+def gpu_processes(root_pid: int) -> list[int]:
+    """The processes of the tree that hold a GPU device open (candidates for the checkpoint API)."""
+    out = []
+    for pid in proctree.tree(root_pid):
+        if any(f.target.startswith(GPU_DEVICE_PREFIX) for f in proctree.open_files(pid)):
+            out.append(pid)
+    return out
+
+
+def cuda_processes(root_pid: int) -> list[int]:
+    """Processes of the tree with a live CUDA context (a DataLoader worker that inherited the device fds
+    without a context is not one: the driver answers it with an error)."""
+    drv = driver()
+    out = []
+    for pid in gpu_processes(root_pid):
+        try:
+            drv.state(pid)
+        except CudaError:
+            continue
+        out.append(pid)
+    return out
+
+
+def uuid_pairs(old: Sequence[str], new: Sequence[str]) -> list[tuple[bytes, bytes]]:
+    """The restore map for a process that saw GPUs ``old`` (UUID strings, in order) and now runs where the
+    same positions hold ``new``. Every GPU the process sees must be in the map (FACTS.md), so the map is
+    total over ``old`` and a permutation of ``new``."""
+    if len(old) != len(new):
+        raise CryosleepError("the GPU map does not fit", f"{len(old)} GPUs at capture, {len(new)} here",
+                             "restore onto a machine with the same number of GPUs")
+    if len(set(new)) != len(new):
+        raise CryosleepError("the GPU map names a GPU twice", ", ".join(new), "give every GPU once")
+    return [(parse_uuid(o), parse_uuid(n)) for o, n in zip(old, new, strict=True)]
+
+
+def parse_uuid(text: str) -> bytes:
+    h = text.removeprefix("GPU-").replace("-", "")
+    if len(h) != 32:
+        raise CryosleepError(f"not a GPU UUID: {text!r}", "expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx",
+                             "copy it from `nvidia-smi -L`")
+    return bytes.fromhex(h)
+
+
+def restore_checked(pid: int, pairs: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """cuCheckpointProcessRestore, judged by the process's state afterwards.
+
+    Seen on an H200 (driver 580): the first restore after boot returned CUDA_ERROR_OPERATING_SYSTEM while
+    the process went on computing. So a failure is checked against the state: LOCKED means the device
+    memory is back; CHECKPOINTED is retried once; anything else is the error it is.
+    """
+    drv = driver()
+    try:
+        drv.restore(pid, pairs)
+        return
+    except CudaError as first:
+        try:
+            st = drv.state(pid)
+        except CudaError as e:
+            first.details["state_after"] = f"{e.what}: {e.why}"
+            raise first from None
+        first.details["state_after"] = st.name
+        if st == ProcState.LOCKED:
+            return
+        if st != ProcState.CHECKPOINTED:
+            raise
+    drv.restore(pid, pairs)
+
+
+class GpuSet:
+    """The CUDA processes of one sandbox, driven together (in parallel) through the checkpoint API, and
+    remembering how far they got so that one rollback can undo exactly that."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self.locked = False
+        self.checkpointed = False
+
+    def _each(self, fn: Callable[[int], None]) -> None:
+        if not self.pids:
+            return
+        with ThreadPoolExecutor(max_workers=len(self.pids)) as pool:
+            errors = [f.exception() for f in [pool.submit(fn, p) for p in self.pids]]
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def lock(self, timeout_s: float) -> None:
+        self.locked = True  # a partly locked set is unlocked by the rollback
+        self._each(lambda p: driver().lock(p, timeout_s))
+
+    def checkpoint(self) -> None:
+        self.checkpointed = True
+        self._each(driver().checkpoint)
+
+    def restore(self, pairs: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        self._each(lambda p: restore_checked(p, pairs))
+        self.checkpointed = False
+
+    def unlock(self) -> None:
+        self._each(driver().unlock)
+        self.locked = False
+
+    def rollback(self) -> list[str]:
+        """Bring every process back to RUNNING from wherever it is; returns what could not be undone."""
+        problems = []
+        for pid in self.pids:
+            try:
+                st = driver().state(pid)
+                if st == ProcState.CHECKPOINTED:
+                    driver().restore(pid)
+                    st = driver().state(pid)
+                if st == ProcState.LOCKED:
+                    driver().unlock(pid)
+            except CryosleepError as e:
+                problems.append(f"PID {pid}: {e.what}: {e.why}")
+        self.locked = self.checkpointed = False
+        return problems

@@ -1,0 +1,70 @@
+"""GPU acceptance on the H200 machines (skipped where there is no GPU, as in CI).
+
+Run there as root, after `cryosleep criu install --bundle ...`:
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 -m pytest -v tests/gpu
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cryosleep.capture import cuda
+from tests.conftest import require_criu
+from tests.jobs.harness import Harness, reference
+
+WORKLOAD = Path(__file__).resolve().parent / "workloads" / "cuda_train.py"
+
+
+def gpu_count() -> int:
+    if not cuda.available():
+        return 0
+    return len(cuda.driver().gpus())
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason="needs an NVIDIA GPU and libcuda")]
+
+
+@pytest.fixture
+def h(cryo_home: Path) -> Harness:
+    require_criu()
+    assert os.environ.get("NCCL_NVLS_ENABLE") == "0", "run the GPU tests with NCCL_NVLS_ENABLE=0"
+    return Harness(cryo_home)
+
+
+def identical(h: Harness, name: str, args: list[str], nproc: int) -> None:
+    ref = reference(WORKLOAD, args, nproc)
+    for r in range(nproc):
+        assert h.losses(name, r) == ref[r], f"rank {r} differs from the uninterrupted run"
+
+
+def test_one_gpu_three_keep_running_then_stop_and_restore(h: Harness) -> None:
+    args = ["--steps", "60", "--step-sleep", "0.05", "--mem-gib", "1"]
+    h.run("gpu1", WORKLOAD, args, nproc=1)
+    for step in (5, 10, 15):
+        h.wait_step("gpu1", step)
+        s = h.snapshot("gpu1")
+        assert {"cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock"} <= set(s["phases"])
+    h.wait_step("gpu1", 20)
+    stop = h.snapshot("gpu1", "--stop")
+    assert h.wait_end("gpu1") == 75
+    r = h.restore(stop["snapshot"])
+    assert {"cuda-restore", "cuda-unlock"} <= set(r["phases"])
+    assert h.wait_end("gpu1") == 0
+    identical(h, "gpu1", args, 1)
+
+
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")
+def test_restore_onto_the_other_gpu(h: Harness) -> None:
+    args = ["--steps", "40", "--step-sleep", "0.05"]
+    h.run("moved", WORKLOAD, args, nproc=1)
+    h.wait_step("moved", 10)
+    stop = h.snapshot("moved", "--stop")
+    assert h.wait_end("moved") == 75
+    h.cli_json("restore", "--detach", "--gpu-map", "1,0", stop["snapshot"])
+    h.wait_step("moved", 12)
+    # the process now runs on the other GPU: nvidia-smi lists its PID there
+    assert h.wait_end("moved") == 0
+    identical(h, "moved", args, 1)
