@@ -52,6 +52,17 @@ def log_tail(log: Path, lines: int = 12) -> str:
     return "\n".join(pick)
 
 
+def keep_log(log: Path) -> Path:
+    """Copy a failed run's CRIU log out of the staging directory (which the rollback deletes)."""
+    dest = paths.home() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{log.name}"
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(log.read_bytes())
+    except OSError:
+        return log
+    return dest
+
+
 def run_id(log: Path) -> str | None:
     try:
         with open(log, errors="replace") as f:
@@ -149,11 +160,12 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     except subprocess.TimeoutExpired:
         gentle = (extra_env or {}).get("CRYOSLEEP_FAULT") != "capture-hang-kill"
         how = _stop_dump(criu, proc, root_pid, log, gentle=gentle)
+        kept = keep_log(log)
         raise CaptureFailed(
             f"CRIU did not finish the dump within {timeout:g} s",
             f"the dump was abandoned ({how}); every process of the job was released and goes on running",
-            "retry with a longer --timeout; see the CRIU log " + str(log),
-            log=str(log),
+            "retry with a longer --timeout; see the CRIU log " + str(kept),
+            log=str(kept),
         ) from None
     elapsed = time.monotonic() - start
     rid = run_id(log)
@@ -161,11 +173,13 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
         release(criu, root_pid, rid)
         hook_err = node_dir / "hook.err"
         ours = hook_err.read_text().splitlines() if hook_err.exists() else []
+        kept = keep_log(log)
         raise CaptureFailed(
             f"CRIU could not dump the job (exit code {proc.returncode})",
             "\n".join([*ours, log_tail(log)]) or out.decode(errors="replace")[-2000:],
-            "the job was resumed and goes on running; `cryosleep check --job NAME` lists what blocks a dump",
-            log=str(log),
+            f"the job was resumed and goes on running; `cryosleep check --job NAME` lists what blocks a dump; "
+            f"CRIU's log: {kept}",
+            log=str(kept),
         )
     return DumpResult(elapsed, rid, log)
 
