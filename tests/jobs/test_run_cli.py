@@ -1,0 +1,50 @@
+"""`cryosleep run` in the foreground, as a drop-in for torchrun: output prefixed by rank, torchrun's
+environment, the job's exit code, a job record afterwards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_criu
+from tests.jobs.harness import Harness, workload
+
+
+@pytest.fixture
+def h(cryo_home: Path) -> Harness:
+    require_criu()
+    return Harness(cryo_home)
+
+
+def run_fg(h: Harness, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cryosleep.cli.main", "run", *args], capture_output=True,
+                          text=True, env=h.env, timeout=120, check=False)
+
+
+def test_foreground_run_streams_ranks_and_returns_the_exit_code(h: Harness) -> None:
+    ok = run_fg(h, "--nproc-per-node", "2", "--master-port", "29411", "--name", "fg", str(workload("exit_code")),
+                "0")
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    assert "[rank0]: hello from rank 0 of 2 (local 0)" in lines
+    assert "[rank1]: hello from rank 1 of 2 (local 1)" in lines
+    assert "[rank1]: libuv 0 master 127.0.0.1:29411" in lines
+    assert h.state("fg") == "exited"
+
+    bad = run_fg(h, "--nproc-per-node", "2", "--name", "fg", str(workload("exit_code")), "3")
+    assert bad.returncode == 3
+    assert "failed with exit code 3" in bad.stderr and "rank 1: exit 3" in bad.stderr
+    jobs = json.loads(h.cli("jobs", "--json").stdout)
+    assert [(j["job"], j["state"], j["exit_code"]) for j in jobs] == [("fg", "failed", 3)]
+    assert h.job("fg").rank_log(1).read_text().startswith("hello from rank 1")
+
+
+def test_a_second_job_with_the_same_name_is_refused(h: Harness) -> None:
+    h.run("twice", workload("ddp_basic"), ["--steps", "30", "--step-sleep", "0.05"])
+    res = run_fg(h, "--json", "--name", "twice", str(workload("exit_code")), "0")
+    assert res.returncode == 2 and "already running" in res.stdout
+    assert h.wait_end("twice") == 0
