@@ -1,6 +1,7 @@
 # Everything a fresh machine needs, in one place. `make demo` and `make test` run `make setup` first.
 #   setup   Python venv with the package, PyTorch (CPU) and the dev tools; the native helpers; CRIU 4.2
-#           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt)
+#           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt);
+#           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way)
 #   test    the default test suite (what CI runs)
 #   demo    the main job: snapshot, stop and restore a small DDP job, compared bit for bit
 #   lint    ruff and mypy --strict
@@ -9,9 +10,9 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN = $(VENV)/bin
 
-.PHONY: setup venv native criu test demo lint clean
+.PHONY: setup venv native criu s3server test demo lint clean
 
-setup: venv native criu
+setup: venv native criu s3server
 
 venv: $(VENV)/.installed
 
@@ -27,6 +28,9 @@ native:
 
 criu: venv
 	$(BIN)/cryosleep criu install
+
+s3server: venv
+	$(BIN)/python -m cryosleep.store.s3serve install
 
 test: setup
 	$(BIN)/python -m pytest -q

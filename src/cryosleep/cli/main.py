@@ -12,6 +12,7 @@ from cryosleep.cli.demo import add_demo
 from cryosleep.cli.jobs import add_run
 from cryosleep.cli.output import emit_error
 from cryosleep.cli.snapshots import add_snapshots
+from cryosleep.cli.store_cmds import add_store_cmds
 from cryosleep.errors import CryosleepError
 
 
@@ -24,6 +25,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run(sub)
     add_snapshots(sub)
+    add_store_cmds(sub)  # after add_snapshots: it extends `verify` with --deep
     add_check(sub)
     add_criu(sub)
     add_demo(sub)

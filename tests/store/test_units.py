@@ -1,0 +1,129 @@
+"""Chunking, keys and S3 settings: the pure parts."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+from cryosleep.errors import CryosleepError, UsageError
+from cryosleep.store.chunking import ChunkSpec, candidates, iter_chunks
+from cryosleep.store.crypto import JobKey, load_key
+from cryosleep.store.s3 import aws_settings
+
+from .helpers import image_bytes
+
+
+@pytest.mark.parametrize("spec", [ChunkSpec("fixed", 100_000), ChunkSpec("cdc", 64 << 10),
+                                  ChunkSpec("cdc", 64 << 10, align=4096)])
+def test_chunks_cover_the_stream_and_do_not_depend_on_reads(spec: ChunkSpec) -> None:
+    data = image_bytes(1, 3 << 20)
+    cuts = [(o, len(b)) for o, b in iter_chunks(io.BytesIO(data), spec)]
+    assert sum(n for _, n in cuts) == len(data) and cuts[0][0] == 0
+    assert all(o + n == cuts[i + 1][0] for i, (o, n) in enumerate(cuts[:-1]))
+    if spec.method == "cdc":
+        assert all(spec.lo <= n <= spec.hi for _, n in cuts[:-1])
+        assert all(o % spec.align == 0 for o, _ in cuts)
+        for read in (4096, 77_777, 1 << 20):
+            assert [(o, len(b)) for o, b in iter_chunks(io.BytesIO(data), spec, read_size=read)] == cuts
+    back = ChunkSpec.from_json(spec.to_json())
+    assert (back.method, back.avg, back.lo, back.hi, back.align) == (spec.method, spec.avg, spec.lo, spec.hi,
+                                                                     spec.align)
+
+
+def test_page_aligned_candidates_are_the_aligned_subset() -> None:
+    data = os.urandom(1 << 20)
+    every = candidates(data, 4)
+    for phase in (0, 100, 4095):
+        assert list(candidates(data, 4, 4096, phase)) == [p for p in every if (p + phase) % 4096 == 0]
+
+
+def test_page_aligned_cdc_finds_content_moved_by_whole_pages() -> None:
+    shared = os.urandom(4 << 20)
+    spec = ChunkSpec("cdc", 256 << 10, align=4096)
+    a = {b for _, b in iter_chunks(io.BytesIO(os.urandom(3 * 4096) + shared), spec)}
+    b = {b for _, b in iter_chunks(io.BytesIO(os.urandom(7 * 4096) + shared), spec)}
+    assert sum(len(x) for x in a & b) > 0.8 * len(shared)
+
+
+def test_cdc_resynchronises_after_an_insertion() -> None:
+    data = os.urandom(4 << 20)
+    spec = ChunkSpec("cdc", 64 << 10)
+    a = {b for _, b in iter_chunks(io.BytesIO(data), spec)}
+    b = {b for _, b in iter_chunks(io.BytesIO(data[:1000] + b"inserted" + data[1000:]), spec)}
+    assert len(a & b) >= len(a) - 3
+    fixed = ChunkSpec("fixed", 64 << 10)
+    fa = {b for _, b in iter_chunks(io.BytesIO(data), fixed)}
+    fb = {b for _, b in iter_chunks(io.BytesIO(data[:1000] + b"inserted" + data[1000:]), fixed)}
+    assert len(fa & fb) == 0  # the shift defeats fixed-size chunks
+
+
+def test_invalid_specs() -> None:
+    with pytest.raises(ValueError):
+        ChunkSpec("cdc", 64, 10, 1000)
+    with pytest.raises(ValueError):
+        ChunkSpec("cdc", 1 << 20, 1000, 4 << 20, align=4096)
+    with pytest.raises(ValueError):
+        ChunkSpec("fixed", 0)
+
+
+def test_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = os.urandom(32)
+    assert load_key("job") is None
+    with pytest.raises(CryosleepError, match="no key for job"):
+        load_key("job", required=True)
+    monkeypatch.setenv("CRYOSLEEP_KEY", secret.hex())
+    k_env = load_key("job")
+    assert k_env is not None and k_env.key_id == JobKey.from_secret(secret).key_id
+    monkeypatch.delenv("CRYOSLEEP_KEY")
+    f = tmp_path / "k"
+    f.write_bytes(secret)
+    f.chmod(0o644)
+    with pytest.raises(UsageError, match="readable by others"):
+        load_key("job", f)
+    f.chmod(0o600)
+    assert load_key("job", f) == JobKey.from_secret(secret, str(f))
+    f.write_text("not a key")
+    with pytest.raises(UsageError, match="not 32 bytes"):
+        load_key("job", f)
+    home_key = tmp_path / "home" / "keys" / "job.key"  # $CRYOSLEEP_HOME is tmp_path/home (conftest)
+    home_key.parent.mkdir(parents=True)
+    import base64
+
+    home_key.write_text(base64.b64encode(secret).decode() + "\n")
+    home_key.chmod(0o600)
+    k_home = load_key("job")
+    assert k_home is not None and k_home.key_id == k_env.key_id and load_key("other") is None
+
+
+def test_keys_give_distinct_address_spaces() -> None:
+    k1, k2 = JobKey.from_secret(b"a" * 32), JobKey.from_secret(b"b" * 32)
+    h = bytes(32)
+    assert k1.address(h) != k2.address(h) and k1.address(h) != h.hex()
+    blob = k1.seal(b"payload", b"aad")
+    assert k1.open(blob, b"aad") == b"payload"
+    from cryosleep.store.crypto import DecryptError
+
+    with pytest.raises(DecryptError):
+        k2.open(blob, b"aad")
+    with pytest.raises(DecryptError):
+        k1.open(blob, b"other aad")
+
+
+def test_aws_settings_from_env_and_files(tmp_path: Path) -> None:
+    aws = tmp_path / ".aws"
+    aws.mkdir()
+    (aws / "credentials").write_text("[default]\naws_access_key_id = AK1\naws_secret_access_key = S1\n"
+                                     "[work]\naws_access_key_id = AK2\naws_secret_access_key = S2\n")
+    (aws / "config").write_text("[default]\nregion = eu-west-1\n[profile work]\nregion = us-west-2\n"
+                                "endpoint_url = http://127.0.0.1:9000\n")
+    home = {"HOME": str(tmp_path)}
+    assert aws_settings(home) == {"access_key_id": "AK1", "secret_access_key": "S1", "region": "eu-west-1"}
+    assert aws_settings({**home, "AWS_PROFILE": "work"}) == {
+        "access_key_id": "AK2", "secret_access_key": "S2", "region": "us-west-2", "endpoint": "http://127.0.0.1:9000"}
+    env = {**home, "AWS_ACCESS_KEY_ID": "AK3", "AWS_SECRET_ACCESS_KEY": "S3", "AWS_SESSION_TOKEN": "T",
+           "AWS_REGION": "ap-south-1", "CRYOSLEEP_S3_ENDPOINT": "http://127.0.0.1:1/"}
+    assert aws_settings(env) == {"access_key_id": "AK3", "secret_access_key": "S3", "session_token": "T",
+                                 "region": "ap-south-1", "endpoint": "http://127.0.0.1:1"}
