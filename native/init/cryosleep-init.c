@@ -9,7 +9,8 @@
  * restores it detached), so the agent supervises fresh and restored sandboxes alike.
  *
  * The init calls setsid() (CRIU refuses a tree whose session leader is outside its PID namespace),
- * starts NPROC workers with LOCAL_RANK=i, RANK=RANK_BASE+i (and torchrun's ROLE_RANK), stdin on /dev/null
+ * starts NPROC workers with LOCAL_RANK=i, RANK=RANK_BASE+i (and torchrun's ROLE_RANK; every "{rank}" in
+ * CRYOSLEEP_NCCL_CTL becomes the worker's RANK, so that each has its own NCCL control file), stdin on /dev/null
  * and stdout/stderr appended to LOG_DIR/rank-<RANK>.log, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2
  * to them, reaps every process (orphans included), and writes each worker's exit status to
  * LOG_DIR/rank-<RANK>.exit. When a worker fails the others are sent SIGTERM, then SIGKILL after
@@ -72,6 +73,27 @@ static void write_exit_file(const char *log_dir, int rank, int status) {
 	close(fd);
 }
 
+/* Replaces every "{rank}" in the variable `name` by `rank` (each worker gets its own NCCL control file). */
+static void expand_rank(const char *name, const char *rank) {
+	const char *val = getenv(name), *at;
+	char out[4096];
+	size_t n = 0;
+
+	if (!val || !strstr(val, "{rank}"))
+		return;
+	while ((at = strstr(val, "{rank}")) != NULL && n < sizeof(out)) {
+		n += (size_t)snprintf(out + n, sizeof(out) - n, "%.*s%s", (int)(at - val), val, rank);
+		val = at + 6;
+	}
+	if (n < sizeof(out))
+		n += (size_t)snprintf(out + n, sizeof(out) - n, "%s", val);
+	if (n >= sizeof(out)) {
+		fprintf(stderr, "cryosleep-init: %s is too long\n", name);
+		_exit(127);
+	}
+	setenv(name, out, 1);
+}
+
 static pid_t start_worker(int local_rank, int rank, const char *log_dir, char **argv) {
 	char path[4096], buf[32];
 	pid_t pid = fork();
@@ -92,6 +114,7 @@ static pid_t start_worker(int local_rank, int rank, const char *log_dir, char **
 	snprintf(buf, sizeof(buf), "%d", rank);
 	setenv("RANK", buf, 1);
 	setenv("ROLE_RANK", buf, 1);
+	expand_rank("CRYOSLEEP_NCCL_CTL", buf);
 
 	int null = open("/dev/null", O_RDONLY);
 	snprintf(path, sizeof(path), "%s/rank-%d.log", log_dir, rank);

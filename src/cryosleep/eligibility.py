@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
 from cryosleep.agent import proctree
+from cryosleep.agent.interceptor import ControlBlock, flag_reasons
 from cryosleep.errors import CryosleepError
 
 
@@ -103,6 +105,42 @@ def _gpu_process(pid: int, who: str) -> list[Check]:
     env = proctree.environ(pid)
     if nccl and env.get("NCCL_NVLS_ENABLE", "") != "0":
         out.append(Check("nvls", False, f"{who}: NCCL_NVLS_ENABLE is not 0 (NVLink multicast cannot be captured)"))
+    return out
+
+
+def interceptor_checks(blocks: Mapping[int, ControlBlock]) -> list[Check]:
+    """What the workers' NCCL interceptors refuse: the feature flags they publish (docs/interceptor.md,
+    "Check"), a block no control thread serves, and (a warning here, refused at the cut) user reduction
+    operators alive. ``blocks`` maps job rank -> published control block."""
+    out: list[Check] = []
+    for rank, b in sorted(blocks.items()):
+        if not b.control_thread:
+            out.append(Check("nccl interceptor", False,
+                             f"rank {rank}: no interceptor control thread serves its NCCL control block, so it "
+                             "cannot be held at a cut (see its log for lines 'cryosleep-nccl[PID]')"))
+        for why in flag_reasons(b.flags):
+            out.append(Check("nccl features", False,
+                             f"rank {rank}: {why}; a snapshot cannot rebuild its NCCL state (this stays so for the "
+                             "life of the process)"))
+        if b.premul_live:
+            out.append(Check("nccl features", False,
+                             f"rank {rank}: {b.premul_live} user reduction operator(s) (ncclRedOpCreatePreMulSum) "
+                             "are alive now; a snapshot is refused if they still are at the cut", fatal=False))
+    return out
+
+
+def nccl_env_checks(env: Mapping[str, str], interceptor: bool) -> list[Check]:
+    """Warnings about how a job was started (its spec's environment and `cryosleep run` flags)."""
+    out: list[Check] = []
+    if not interceptor:
+        out.append(Check("nccl interceptor", False,
+                         "the job runs without the NCCL interceptor (`cryosleep run --no-interceptor`): if it holds "
+                         "live NCCL communicators on GPUs, its snapshots fail and are rolled back", fatal=False))
+    elif env.get("NCCL_NVLS_ENABLE", "0") != "0":
+        out.append(Check("nvls", False,
+                         f"the job was started with NCCL_NVLS_ENABLE={env['NCCL_NVLS_ENABLE']}: NVLink multicast "
+                         "cannot be captured, so a GPU snapshot of it is refused where NCCL uses NVLS; start it "
+                         "without that setting (`cryosleep run` then sets 0)", fatal=False))
     return out
 
 

@@ -19,7 +19,7 @@ from cryosleep.agent.job import JobDir
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 DEMO_TRAIN = Path(__file__).resolve().parents[2] / "src" / "cryosleep" / "workloads" / "demo_train.py"
-STEP_RE = re.compile(r"^step (\d+) loss (\S+)")
+STEP_RE = re.compile(r"^step (\d+) (?:loss|digest) (\S+)")
 
 _reference_cache: dict[tuple[str, ...], dict[int, list[str]]] = {}
 

@@ -94,12 +94,13 @@ def test_restore_older_snapshot_after_everything_was_killed(h: Harness, tmp_path
     script = workload("ddp_basic")
     own = tmp_path / "own-logs"
     own.mkdir()
-    args = [*BASIC, "--own-log", str(own)]
+    args = ["--steps", "80", "--step-sleep", "0.05", "--own-log", str(own)]
     h.run("crash", script, args)
     h.wait_step("crash", 8)
     s = h.snapshot("crash")
     size_at_snapshot = (own / "train-rank0.log").stat().st_size
-    h.wait_step("crash", 20)  # the job runs on; its logs grow past the snapshot
+    last = int(h.losses("crash")[-1].split()[0])
+    h.wait_step("crash", last + 5)  # the job runs on; its logs grow past the snapshot
     assert (own / "train-rank0.log").stat().st_size > size_at_snapshot
     h.kill_all("crash")
     assert h.state("crash") == "lost"

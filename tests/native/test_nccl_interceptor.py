@@ -3,16 +3,19 @@ acting as the agent through the control block (ctl.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ctl import BLOCK_SIZE, CMD_QUIESCE, REBUILD_ID, REBUILD_SPLIT, ST_HOLDING, ST_QUIESCED, Agent, Ctl
-from nccl_jobs import INTERCEPTOR, Job, run, tcp_sockets
+from ctl import BLOCK_SIZE, CMD_QUIESCE, REBUILD_ID, REBUILD_SPLIT, ST_HOLDING, ST_QUIESCED, Agent, CommTarget, Ctl
+from nccl_jobs import INTERCEPTOR, STANDIN, WORKLOADS, Job, run, tcp_sockets
 
 STEPS = 24
+SPLITS = 4  # train.py splits world 4 times before its first step (sub, solo, temp, gone)
 
 
 def digests(out: list[list[dict[str, Any]]]) -> list[list[str]]:
@@ -75,8 +78,9 @@ def test_counters_visible_and_hold_at_target(tmp_path: Path) -> None:
         k = 5
         targets = {}
         for comm in ctls[0].comms() + ctls[1].comms():
-            peers = {0: [0, k], 1: [k, 0]} if comm.vid == 1 else {}  # world: the ring sends to the other
-            targets[comm.ident] = (k * (2 if comm.vid == 1 else 1), peers, peers)
+            # world: 4 splits at set-up (counted as its collectives) + 2 collectives and a ring send/recv per step
+            pairs = {(0, 1): k, (1, 0): k} if comm.vid == 1 else {}
+            targets[comm.ident] = CommTarget(SPLITS + 2 * k if comm.vid == 1 else k, pairs)
         agent = Agent(ctls)
         agent.hold(targets)
         got = [read_steps(job, r, k - 1) for r in range(2)]
@@ -87,8 +91,8 @@ def test_counters_visible_and_hold_at_target(tmp_path: Path) -> None:
         for rank, c in enumerate(ctls):
             comms = {m.vid: m for m in c.comms()}
             world = comms[1]
-            assert (world.seq, world.rank, world.nranks, world.rebuild) == (2 * k, rank, 2, REBUILD_ID)
-            assert world.send == world.recv == ([0, k] if rank == 0 else [k, 0])
+            assert (world.seq, world.rank, world.nranks, world.rebuild) == (SPLITS + 2 * k, rank, 2, REBUILD_ID)
+            assert world.send == world.recv == ((0, k) if rank == 0 else (k, 0))
             assert comms[2].seq == k and comms[2].rebuild == REBUILD_SPLIT and comms[2].parent_vid == 1
             assert c.state() == (ST_HOLDING, agent.gen) and c.busy == 0 and c.in_group == 0
             beat = c.heartbeat
@@ -124,7 +128,7 @@ def test_quiesce_and_rebuild_continue_identically(tmp_path: Path, nranks: int, c
                 kinds = sorted((m.vid, m.rebuild) for m in c.comms())
                 assert (1, REBUILD_ID) in kinds and (2, REBUILD_SPLIT) in kinds
                 world = next(m for m in c.comms() if m.vid == 1)
-                assert world.seq == cut[world.ident][0]
+                assert world.seq == cut.targets[world.ident].coll
                 assert world.flags & 2  # a registered buffer, re-registered at rebuild
             time.sleep(0.2)
             for r in range(nranks):  # nothing moves while quiesced; steps already printed are fine
@@ -154,10 +158,8 @@ def test_hold_deadline_reopens_the_gate(tmp_path: Path) -> None:
     """An agent that vanishes during HOLD does not stop the job: the deadline opens the gate."""
     job, ctls = start_train(tmp_path, 2, pause=0.01)
     try:
-        for c in ctls:
-            c.set_hold_deadline(0.3)
         agent = Agent(ctls)
-        gen = agent.hold()
+        gen = agent.hold(release_after=0.3)
         assert all("deadline" in e for e in agent.wait_error(gen))
         out = job.wait()
     finally:
@@ -173,6 +175,26 @@ def test_quiesce_without_hold_is_refused(tmp_path: Path) -> None:
         assert all("must follow a HOLD" in e for e in errors)
         assert all(c.comms_live for c in ctls)
         agent.run()
+        out = job.wait()
+    finally:
+        job.kill()
+    assert all(len(d) == STEPS for d in digests(out))
+
+
+def test_a_second_process_with_the_same_control_file_counts_privately(tmp_path: Path) -> None:
+    """A subprocess of a worker that calls NCCL with the worker's environment must not take over the
+    worker's block: it finds it published by a live process and counts in its own memory."""
+    job, ctls = start_train(tmp_path, 2, pause=0.02)
+    try:
+        env = dict(os.environ, LD_PRELOAD=str(INTERCEPTOR), CRYOSLEEP_NCCL_CTL=str(job.ctl_path(0)),
+                   STANDIN_NCCL_LIB=str(STANDIN))
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from ncclbind import Nccl; "
+                "n = Nccl(); n.unique_id(); print('ok')")
+        child = subprocess.run([sys.executable, "-c", code, str(WORKLOADS)], env=env, capture_output=True,
+                               text=True, timeout=30, check=False)
+        assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr
+        assert f"belongs to live process {job.procs[0].pid}" in child.stderr
+        assert ctls[0].pid == job.procs[0].pid and ctls[0].control_thread and ctls[0].comms()
         out = job.wait()
     finally:
         job.kill()

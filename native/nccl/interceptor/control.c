@@ -201,6 +201,17 @@ static const char* cs_wait_uid(struct cs_ctl_comm* s, uint32_t gen, uint64_t cmd
   return NULL;
 }
 
+/* Test-only fault injection: CRYOSLEEP_NCCL_FAULT=rebuild-once@RANK makes the first REBUILD of the worker
+ * with that RANK fail after every communicator was re-created (a late failure: its peers succeed). */
+static int cs_fault_rebuild(void) {
+  static int fired;
+  const char* f = getenv("CRYOSLEEP_NCCL_FAULT");
+  const char* rank = getenv("RANK");
+  if (fired || !f || strncmp(f, "rebuild-once@", 13) != 0 || !rank || strcmp(f + 13, rank) != 0) return 0;
+  fired = 1;
+  return 1;
+}
+
 static void cs_rebuild(uint32_t gen, uint64_t cmd) {
   char why[200] = "";
   set_state(CS_ST_REBUILDING, gen);
@@ -273,6 +284,10 @@ static void cs_rebuild(uint32_t gen, uint64_t cmd) {
       snprintf(why, sizeof why, "re-registering a buffer of comm vid %u failed (%d)", g->vid, (int)r);
       goto fail;
     }
+  }
+  if (cs_fault_rebuild()) {
+    snprintf(why, sizeof why, "injected failure (CRYOSLEEP_NCCL_FAULT)");
+    goto fail;
   }
   set_live(CS_PH_LIVE);
   set_state(CS_ST_RUNNING, gen);

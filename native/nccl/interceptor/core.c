@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -107,6 +108,15 @@ static void cs_resolve(void) {
 
 /* ---- the control block -------------------------------------------------------------------------- */
 
+/* Another live process of this PID namespace published the block already: a second process of the same
+ * rank that calls NCCL with the same environment (a subprocess, say) must not take over its block. */
+static int cs_block_owned_by_other(const void* p) {
+  const struct cs_ctl* c = p;
+  pid_t owner = (pid_t)__atomic_load_n(&c->pid, __ATOMIC_ACQUIRE);
+  if (__atomic_load_n(&c->magic, __ATOMIC_ACQUIRE) != CS_CTL_MAGIC || owner <= 0 || owner == getpid()) return 0;
+  return kill(owner, 0) == 0 || errno == EPERM;
+}
+
 static void cs_block_open(void) {
   const char* path = getenv("CRYOSLEEP_NCCL_CTL");
   if (path && *path) {
@@ -118,6 +128,12 @@ static void cs_block_open(void) {
     if (p == MAP_FAILED)
       cs_log("control block %s unusable (%s): counting only, no snapshot support", path, strerror(errno));
     if (fd >= 0) close(fd);  /* the mapping is all we keep: no descriptor for CRIU to worry about */
+    if (p != MAP_FAILED && cs_block_owned_by_other(p)) {
+      cs_log("control block %s belongs to live process %u: this process counts only (no snapshot support)",
+             path, ((struct cs_ctl*)p)->pid);
+      munmap(p, CS_BLOCK_SIZE);
+      p = MAP_FAILED;
+    }
     if (p != MAP_FAILED) {
       cs_ctl = p;
       cs_shared = 1;

@@ -1,7 +1,8 @@
 /* The gate's slow path: taken when the command word is not RUN (or before init, or when the
  * communicator is quiesced). A call is admitted when the communicators are live and the command
- * is RUN or REBUILD (rebuilt), or HOLD with the call within its target; otherwise the thread
- * waits here, polling, not marked busy, counted in `held`.
+ * is RUN, or HOLD with the call within its target; otherwise the thread waits here, polling, not
+ * marked busy, counted in `held`. After a REBUILD the threads wait for the agent's RUN, which it
+ * writes once every rank has rebuilt: no rank runs ahead on a communicator a peer failed to rebuild.
  *
  * Why the busy flag is enough: a thread stores busy=1, then loads the command word and the phase;
  * the control thread stores the phase, runs membarrier() (a barrier on every thread of the
@@ -60,7 +61,7 @@ ncclResult_t cs_gate(struct cs_tslot* t, enum cs_kind kind, struct cs_vcomm* v, 
       uint64_t w = __atomic_load_n(cs_cmdp, __ATOMIC_ACQUIRE);
       if (__atomic_load_n(&cs_phase, __ATOMIC_ACQUIRE) == CS_PH_LIVE) {
         uint32_t c = (uint32_t)w;
-        if (c == CS_CMD_RUN || c == CS_CMD_REBUILD) break;
+        if (c == CS_CMD_RUN) break;  /* not REBUILD: threads wait for the agent's RUN (all ranks rebuilt) */
         if (c == CS_CMD_HOLD &&
             (__atomic_load_n(&cs_released_cmd, __ATOMIC_ACQUIRE) == w || cs_admissible(kind, v, peer)))
           break;

@@ -28,7 +28,7 @@ MANUAL: dict[str, str] = {
     "ncclCommInitRankConfig": "creates a virtual handle; records rank, size, id and config for rebuild",
     "ncclCommInitRankScalable": "creates a virtual handle; rebuilt from one fresh id",
     "ncclCommInitAll": "several devices in one process: passed through untracked, flagged",
-    "ncclCommSplit": "records parent, color, key, config for replay (NOCOLOR calls too: replay is collective)",
+    "ncclCommSplit": "records parent, color, key, config for replay; counted as a collective of the parent",
     "ncclCommShrink": "not replayed: passed through untracked, flagged",
     "ncclCommFinalize": "a finalized communicator is destroyed at quiesce and not rebuilt",
     "ncclCommDestroy": "frees the virtual handle and its split history",

@@ -229,11 +229,14 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comm, int ndev, const int* devlist) {
   return r;
 }
 
-/* records parent, color, key, config for replay (NOCOLOR calls too: replay is collective) */
+/* records parent, color, key, config for replay (NOCOLOR calls too: replay is collective).
+ * Counted as a collective of the parent (every member calls it, in the same order): a member held at
+ * a split that others already entered is then short of the parent's target and let through, instead
+ * of leaving them blocked inside the real split until the snapshot's deadline. */
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
   struct cs_tslot* t = cs_thread();
   ncclComm_t rp;
-  ncclResult_t r = cs_enter(t, CS_K_MGMT, comm, 0, &rp);
+  ncclResult_t r = cs_enter(t, CS_K_COLL, comm, 0, &rp);
   if (r != ncclSuccess || !newcomm) {
     cs_leave(t);
     return r != ncclSuccess ? r : ncclInvalidArgument;

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,8 +37,21 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
-def worker_env(spec: JobSpec) -> dict[str, str]:
-    """torchrun's environment for the workers, plus what capture needs (RANK/LOCAL_RANK come from init)."""
+INTERCEPTOR_LIB = "libcryosleep_nccl.so"
+
+
+def interceptor_lib() -> Path:
+    """The NCCL interceptor, preloaded into every worker (native/nccl/interceptor, docs/interceptor.md)."""
+    return paths.native_dir() / INTERCEPTOR_LIB
+
+
+def worker_env(spec: JobSpec, ctl_dir: Path | None = None) -> dict[str, str]:
+    """torchrun's environment for the workers, plus what capture needs (RANK/LOCAL_RANK come from init).
+
+    With the interceptor (the default; ``ctl_dir`` given), every worker preloads it and gets its own control
+    file, ``ctl_dir/rank-<RANK>.ctl`` (cryosleep-init replaces ``{rank}``), and NVLink multicast is off unless
+    the user set NCCL_NVLS_ENABLE (`cryosleep check --job` then warns). A worker that never calls NCCL never
+    creates its file and runs as without the interceptor."""
     env = dict(spec.env)
     env.update({
         "WORLD_SIZE": str(spec.world_size),
@@ -57,6 +71,12 @@ def worker_env(spec: JobSpec) -> dict[str, str]:
     })
     if spec.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
+    if spec.interceptor and ctl_dir is not None:
+        lib = str(interceptor_lib())
+        env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
+        env["CRYOSLEEP_NCCL_CTL"] = str(ctl_dir / "rank-{rank}.ctl")
+        # NVLink multicast (NVLS) state cannot be checkpointed (FACTS.md)
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
     return env
 
 
@@ -152,11 +172,18 @@ class Agent:
         if not os.access(init, os.X_OK):
             raise CryosleepError(f"the sandbox init {init} is missing", "the native helpers were not built",
                                  "run `make setup` (or `make -C native`)")
+        if self.spec.interceptor and not interceptor_lib().is_file():
+            raise CryosleepError(f"the NCCL interceptor {interceptor_lib()} is missing",
+                                 "the native helpers were not built",
+                                 "run `make setup` (or `make -C native`), or start the job with --no-interceptor")
         self.job.logs.mkdir(parents=True, exist_ok=True)
+        self.job.ctl.mkdir(parents=True, exist_ok=True)
         for r in self.spec.ranks:
             self.job.rank_log(r).unlink(missing_ok=True)
             (self.job.logs / f"rank-{r}.exit").unlink(missing_ok=True)
-        env = worker_env(self.spec)
+        for old in self.job.ctl.glob("rank-*.ctl"):  # a previous run's blocks: never mistaken for this one's
+            old.unlink()
+        env = worker_env(self.spec, self.job.ctl)
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
         self._save()
@@ -250,6 +277,11 @@ class Agent:
                     parts.append(f"rank {r}: {what}")
         return "; ".join(parts)
 
+    def _log(self, msg: str) -> None:
+        """A line in the agent's own log (a detached agent's stderr is its job's agent.log)."""
+        sys.stderr.write(f"cryosleep agent: {time.strftime('%H:%M:%S')} {msg}\n")
+        sys.stderr.flush()
+
     # -- control socket ---------------------------------------------------------------------------
 
     def _control_loop(self) -> None:
@@ -304,8 +336,9 @@ class Agent:
                 raise NotFound(f"job {self.spec.name!r} has already exited", "there is nothing to capture",
                                "restore one of its snapshots to run it again")
             stop = bool(req.get("stop", False))
+            rehearse = bool(req.get("rehearse", False))
             store = LocalStore(Path(req.get("store") or paths.default_store()))
-            self.state.snapshot_in_progress = "stop" if stop else "keep-running"
+            self.state.snapshot_in_progress = "rehearsal" if rehearse else "stop" if stop else "keep-running"
             self._save()
 
             def progress(phase: str, status: str, seconds: float | None) -> None:
@@ -315,8 +348,13 @@ class Agent:
                 self.suspended_in = sid
                 os.kill(self.state.init_pid, signal.SIGKILL)
 
+            ctl = {r: self.job.ctl_path(r) for r in self.spec.ranks} if self.spec.interceptor else {}
             target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
-                                             restored_from=self.state.restored_from, end=end)
+                                             restored_from=self.state.restored_from, end=end, ctl=ctl,
+                                             log=self._log if self.out is None else None)
+            if rehearse:
+                return capture_snapshot.rehearse(target, timeout=float(req.get("timeout") or 600.0),
+                                                 progress=progress)
             manifest = capture_snapshot.take(
                 target, store, stop=stop, timeout=float(req.get("timeout") or 600.0), progress=progress,
                 fault=req.get("fault") or os.environ.get("CRYOSLEEP_FAULT") or None,

@@ -1,6 +1,7 @@
 """The agent's control socket: one JSON request per connection, answered by JSON lines.
 
 Request:  {"op": "snapshot", "stop": false, "timeout": 600, "store": "/path"}   or   {"op": "status"}
+          ("rehearse": true: drain, quiesce and rebuild the NCCL ranks, capturing nothing)
 Answer:   zero or more {"event": "phase", "phase": NAME, "status": "start"|"done"|"failed", "seconds": S}
           then exactly one {"result": {...}} or {"error": {...}} (an error's JSON form, see errors.py)
 """

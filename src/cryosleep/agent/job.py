@@ -7,6 +7,9 @@ Each job has a directory ``$CRYOSLEEP_HOME/jobs/<name>/``::
     agent.sock    the agent's control socket (snapshot, status)
     agent.log     the agent's own output when detached
     logs/         rank-<R>.log (the worker's stdout and stderr) and rank-<R>.exit
+    ctl/          rank-<R>.ctl: the NCCL interceptor's control block of each worker that called NCCL
+                  (docs/interceptor.md); mapped by the worker, so a snapshot carries it and a restore puts
+                  it back at the same path
 
 The log paths are part of the workers' captured state (their open files), so a snapshot restores under the
 same job name, into the same paths.
@@ -57,6 +60,7 @@ class JobSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     run_id: str = ""
+    interceptor: bool = True  # preload the NCCL interceptor into the workers (`cryosleep run --no-interceptor`)
 
     @property
     def world_size(self) -> int:
@@ -121,6 +125,14 @@ class JobDir:
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"
+
+    @property
+    def ctl(self) -> Path:
+        return self.path / "ctl"
+
+    def ctl_path(self, rank: int) -> Path:
+        """The NCCL control block of one worker (created by its interceptor at its first NCCL call)."""
+        return self.ctl / f"rank-{rank}.ctl"
 
     def exists(self) -> bool:
         return self.spec_file.exists()

@@ -78,11 +78,19 @@ def _hash_range(path: str, start: int, end: int) -> str:
     return h.hexdigest()
 
 
-def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT) -> list[StagedFile]:
-    """Copy (or fingerprint) every writable file of the frozen tree into ``dest``; write the index."""
+def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT,
+          extra: list[str] | None = None) -> list[StagedFile]:
+    """Copy (or fingerprint) every writable file of the frozen tree into ``dest``; write the index.
+
+    ``extra`` names more files to stage the same way: the NCCL control blocks, which the workers map but do
+    not hold open (CRIU records the mapping by path; the restore needs the file back as it was)."""
     dest.mkdir(parents=True, exist_ok=True)
     out: list[StagedFile] = []
-    for i, path in enumerate(writable_files(root_pid)):
+    found = writable_files(root_pid)
+    for path in extra or []:
+        if path not in found and os.path.isfile(path):
+            found.append(path)
+    for i, path in enumerate(found):
         st = os.stat(path)
         size = st.st_size
         tail_len = min(TAIL, size)

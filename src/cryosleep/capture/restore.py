@@ -6,9 +6,12 @@
     restore   CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash)
     cuda-restore, cuda-unlock
               (GPU jobs) device memory back, onto other GPUs through a UUID map when they differ
+    rebuild   (NCCL jobs) the workers' interceptors, restored QUIESCED with their control blocks (put back
+              by the files phase), re-create every communicator from fresh unique ids; then the gates open
 
 Rollback: if CRIU fails after the files were put back, nothing of the job is running; the files stay at the
-snapshot's state, which is what a retry needs.
+snapshot's state, which is what a retry needs. If anything fails after CRIU restored the job (CUDA restore,
+NCCL rebuild), the restored job is killed: a half-restored job must not linger.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ from __future__ import annotations
 import os
 import platform
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cryosleep.agent import proctree
+from cryosleep.agent.interceptor import ControlBlock, InterceptorError, State
 from cryosleep.agent.job import JobSpec
 from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_install, cuda, files
+from cryosleep.cut.driver import Driver
 from cryosleep.errors import NotEligible, RestoreFailed, StoreCorrupt
 from cryosleep.store.local import LocalStore
 from cryosleep.store.manifest import Manifest
@@ -137,17 +143,47 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
             raise
         except OSError as e:
             raise RestoreFailed("CRIU could not be started", str(e), "run `cryosleep check`") from e
-    if node.gpu.get("cuda_pids"):
-        gpus = cuda.GpuSet(host_pids(init_pid, node.gpu["cuda_pids"]))
-        try:
+    try:
+        if node.gpu.get("cuda_pids"):
+            gpus = cuda.GpuSet(host_pids(init_pid, node.gpu["cuda_pids"]))
             with phases.phase("cuda-restore"):
                 gpus.restore(pairs)
             with phases.phase("cuda-unlock"):
                 gpus.unlock()
-        except BaseException:
-            _kill_tree(init_pid)  # a half-restored GPU job must not linger
-            raise
+        if node.nccl.get("ranks"):
+            with phases.phase("rebuild"):
+                rebuild_nccl(init_pid, node.nccl)
+    except BaseException:
+        _kill_tree(init_pid)  # a half-restored job must not linger
+        raise
     return Restored(manifest, spec, init_pid, phases)
+
+
+def rebuild_nccl(init_pid: int, facts: dict[str, Any], timeout: float = 30.0) -> None:
+    """The restored workers' interceptors are QUIESCED, holding every NCCL call: re-create their communicators
+    from fresh unique ids and open the gates. Their control blocks came back (the files phase) at the paths
+    they map."""
+    deadline = time.monotonic() + timeout
+    blocks: dict[int, ControlBlock] = {}
+    try:
+        for r in facts["ranks"]:
+            left = max(0.1, deadline - time.monotonic())
+            blocks[int(r["rank"])] = ControlBlock.wait(r["ctl"], pid=int(r["pid"]), timeout=left)
+        not_quiesced = [f"rank {r} is {State(b.state()[0]).name}" for r, b in blocks.items()
+                        if b.state()[0] != State.QUIESCED]
+        if not_quiesced:
+            raise RestoreFailed("the restored workers' NCCL interceptors are not where the snapshot left them",
+                                "; ".join(not_quiesced), "the restored job was ended; restore another snapshot")
+        driver = Driver(blocks)
+        driver.resume()
+    except InterceptorError as e:
+        raise RestoreFailed("the job's NCCL communicators could not be rebuilt after the restore",
+                            f"{e.what}: {e.why}",
+                            "the restored job was ended; see the workers' logs (lines 'cryosleep-nccl[PID]') "
+                            "and `cryosleep check`") from e
+    finally:
+        for b in blocks.values():
+            b.close()
 
 
 def host_pids(init_pid: int, ns_pids: list[int]) -> list[int]:

@@ -1,20 +1,31 @@
 """Taking a snapshot of a job on this node: one linear list of phases, one rollback.
 
-    preflight  what the processes hold that cannot be captured -> refuse with reasons (nothing touched)
+    preflight  what the processes hold that cannot be captured, and what their NCCL interceptors refuse
+               -> refuse with reasons (nothing touched)
+    drain      (ranks that called NCCL) HOLD, then targets until every rank is settled at one consistent
+               cut: every member of every communicator has issued exactly the same calls
+    quiesce    every rank flushes and destroys its real NCCL communicators (no NCCL socket, IPC or
+               InfiniBand state left for the CUDA checkpoint and CRIU)
     cuda-lock, cuda-checkpoint
                (GPU jobs) every CUDA process locked, then its device memory moved to host memory
-    dump       CRIU freezes the tree, writes its image, stages the job's files, then resumes it
-               (keep-running) or holds it stopped (stop)
+    dump       CRIU freezes the tree, writes its image, stages the job's files and the NCCL control
+               blocks, then resumes it (keep-running) or holds it stopped (stop)
     cuda-restore, cuda-unlock
-               (GPU jobs, keep-running) device memory back, CUDA calls released: the pause ends here
+               (GPU jobs, keep-running) device memory back, CUDA calls released
+    rebuild    (NCCL, keep-running) every communicator re-created from fresh ids, then the gates open:
+               the pause ends here
     checksum   size and SHA-256 of every image file (the job is already running again)
     commit     manifest written, snapshot published atomically in the store
     verify     (stop) every file re-read and checked against the manifest
     end        (stop) the held job is killed; it lives on only in the snapshot
 
 Rollback, whatever failed: a held job is released (network lock removed, tasks continued), CUDA processes
-are restored and unlocked, a committed but unverified snapshot is removed, the staging directory is
-deleted. The job is never killed unless its snapshot is complete and verified.
+are restored and unlocked, NCCL ranks are brought back to running (quiesced ones rebuilt first, held ones
+released), a committed but unverified snapshot is removed, the staging directory is deleted. The job is
+never killed unless its snapshot is complete and verified.
+
+``rehearse`` runs preflight, drain, quiesce and rebuild only, capturing nothing: it shows that a job
+reaches a consistent cut, and what that costs, without writing an image.
 """
 
 from __future__ import annotations
@@ -23,21 +34,27 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cryosleep import __version__, eligibility
 from cryosleep.agent import proctree
+from cryosleep.agent.interceptor import ControlBlock, InterceptorError, attach_published
 from cryosleep.agent.job import JobSpec
 from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_install, cuda, files
+from cryosleep.cut.driver import Driver
 from cryosleep.errors import CaptureFailed, CryosleepError, NotEligible
 from cryosleep.store.local import LocalStore, Staging, hash_tree
 from cryosleep.store.manifest import Manifest, NodeImage
 from cryosleep.timing import Phases
 
 Progress = Callable[[str, str, float | None], None]
+
+# The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
+PAUSE = ["drain", "quiesce", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock", "rebuild"]
 
 
 @dataclass
@@ -50,6 +67,8 @@ class Target:
     restored_from: str | None = None
     end: Callable[[str], None] | None = None  # kills the held job once the stop snapshot is safe
     cuda_lock_timeout: float = 10.0
+    ctl: dict[int, Path] = field(default_factory=dict)  # job rank -> its NCCL control file (JobDir.ctl_path)
+    log: Callable[[str], None] | None = None  # the agent's log, for what the drain does round by round
 
 
 def host_facts(criu: criu_install.Criu, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -64,13 +83,51 @@ def host_facts(criu: criu_install.Criu, runtime: dict[str, Any]) -> dict[str, An
     }
 
 
+def nccl_driver(target: Target) -> Driver | None:
+    """The control blocks of the ranks that have called NCCL (None when none has: nothing to drain)."""
+    if not target.ctl:
+        return None
+
+    def published(known: Collection[int] = ()) -> dict[int, ControlBlock]:
+        todo = {r: p for r, p in target.ctl.items() if r not in known and p.exists()}
+        if not todo:
+            return {}
+        pids = {p for p in (proctree.ns_pid(x) for x in proctree.tree(target.init_pid)) if p is not None}
+        return attach_published(todo, pids)
+
+    blocks = published()
+    return Driver(blocks, discover=published, log=target.log) if blocks else None
+
+
+def _refuse(target: Target, checks: list[eligibility.Check]) -> NotEligible:
+    return NotEligible(
+        f"job {target.spec.name!r} cannot be captured now",
+        "; ".join(c.detail for c in checks),
+        "fix what is listed, then snapshot again; the job was not touched",
+        checks=[c.to_json() for c in checks],
+    )
+
+
+def nccl_facts(nccl: Driver) -> dict[str, Any]:
+    """The interceptors at the cut, for the manifest."""
+    ranks = []
+    for rec in nccl.records():
+        comms = [{**c, "ident": f"{c['ident']:016x}"} for c in rec.comms]
+        ranks.append({"rank": rec.rank, "ctl": rec.ctl, "pid": rec.pid, "nccl_version": rec.nccl_version,
+                      "comms": comms})
+    return {"generation": nccl.gen, "ranks": ranks}
+
+
 def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.0,
          progress: Progress | None = None, fault: str | None = None) -> Manifest:
     phases = Phases(progress)
     criu = criu_install.locate()
+    deadline = time.monotonic() + timeout
     staging: Staging | None = None
     gpus = cuda.GpuSet([])
     gpu_facts: dict[str, Any] = {}
+    nccl: Driver | None = None
+    nccl_info: dict[str, Any] = {}
     held = False
     committed = False
     dump_rid: str | None = None
@@ -78,13 +135,11 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
     try:
         with phases.phase("preflight"):
             problems = [c for c in eligibility.process_checks(target.init_pid) if not c.ok and c.fatal]
+            nccl = nccl_driver(target)
+            if nccl is not None:
+                problems += [c for c in eligibility.interceptor_checks(nccl.blocks) if c.fatal]
             if problems:
-                raise NotEligible(
-                    f"job {target.spec.name!r} cannot be captured now",
-                    "; ".join(c.detail for c in problems),
-                    "fix what is listed, then snapshot again; the job was not touched",
-                    checks=[c.to_json() for c in problems],
-                )
+                raise _refuse(target, problems)
             tree = proctree.tree(target.init_pid)
             rss = sum(proctree.rss_bytes(p) for p in tree)
             if cuda.gpu_processes(target.init_pid):
@@ -96,17 +151,24 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
             mounts = criu_calls.external_mounts(target.init_pid) if _own_mount_ns(target.init_pid) else []
             staging = store.begin(target.spec.name)
         node_dir = staging.node_dir(node_rank)
-        deadline = time.monotonic() + timeout
-        pause = ["cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock"]
+        if nccl is not None:
+            with phases.phase("drain"):
+                nccl.hold(deadline)
+                nccl.drain(deadline)
+            with phases.phase("quiesce"):
+                nccl.quiesce(deadline)
+                nccl_info = nccl_facts(nccl)
         if gpus.pids:
             with phases.phase("cuda-lock"):
                 gpus.lock(target.cuda_lock_timeout)
             with phases.phase("cuda-checkpoint"):
                 gpus.checkpoint()
         with phases.phase("dump"):
-            extra = {"CRYOSLEEP_FAULT": fault} if fault else None
+            extra = {"CRYOSLEEP_FAULT": fault} if fault else {}
+            if nccl is not None:  # the control blocks, copied while CRIU holds the tree frozen
+                extra["CRYOSLEEP_HOOK_EXTRA_FILES"] = os.pathsep.join(str(b.path) for b in nccl.blocks.values())
             res = criu_calls.dump(criu, target.init_pid, node_dir, leave="stopped" if stop else "running",
-                                  timeout=timeout, extra_env=extra, mounts=mounts)
+                                  timeout=max(1.0, deadline - time.monotonic()), extra_env=extra, mounts=mounts)
             dump_rid = res.run_id
             held = stop
         if gpus.pids and not stop:
@@ -114,19 +176,22 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
                 gpus.restore()
             with phases.phase("cuda-unlock"):
                 gpus.unlock()
+        if nccl is not None and not stop:
+            with phases.phase("rebuild"):
+                nccl.resume()
         with phases.phase("checksum"):
             image_files = hash_tree(staging.path, [f"nodes/{node_rank}"])
             staged = files.read_index(node_dir / "files")
         node = NodeImage(node_rank=node_rank, ranks=target.spec.ranks, init_pid=target.init_pid,
                          files=image_files, staged=staged, processes=len(tree), rss_bytes=rss, gpu=gpu_facts,
-                         mounts=mounts)
+                         mounts=mounts, nccl=nccl_info)
         manifest = Manifest(
             id=staging.id, job=target.spec.to_json(), mode="stop" if stop else "keep-running",
             created_at=time.time(), nodes=[node], host=host_facts(criu, target.runtime),
             phases={}, pause_s=0.0, restored_from=target.restored_from,
         )
         manifest.phases = phases.rounded()
-        manifest.pause_s = round(phases.total(pause), 4)
+        manifest.pause_s = round(phases.total(PAUSE), 4)
         with phases.phase("commit"):
             store.commit(staging, manifest)
             committed = True
@@ -144,20 +209,25 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
                     target.end(manifest.id)
                 held = False
                 gpus.pids = []  # they are gone with the job
+                if nccl is not None:
+                    nccl.close()  # and so are their interceptors: nothing to roll back
                 criu_calls.unlock_network(criu, dump_rid)
         manifest.phases = phases.rounded()
-        keep = pause if not stop else [*pause, "checksum", "commit", "verify", "end"]
+        keep = PAUSE if not stop else [*PAUSE, "checksum", "commit", "verify", "end"]
         manifest.pause_s = round(phases.total(keep), 4)
         _rewrite_manifest(store, manifest)
         return manifest
     except BaseException as e:
-        # The one rollback path.
+        # The one rollback path. Order matters: the tasks must run (CRIU released) and their CUDA work be
+        # back before the interceptors can rebuild communicators.
+        err = _as_failure(e, "the snapshot failed")
         if held:
             criu_calls.release(criu, target.init_pid, dump_rid)
         if gpus.locked or gpus.checkpointed:
             undone = gpus.rollback()
-            if undone and isinstance(e, CryosleepError):
-                e.details["cuda_rollback_problems"] = undone
+            if undone:
+                err.details["cuda_rollback_problems"] = undone
+        _undo_nccl(nccl, err)
         if committed and staging is not None:
             try:
                 store.remove(staging.id)
@@ -165,12 +235,72 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
                 pass
         if staging is not None:
             store.abort(staging)
-        if isinstance(e, CryosleepError):
-            e.details.setdefault("phases", phases.rounded())
+        err.details.setdefault("phases", phases.rounded())
+        if err is e:
             raise
-        raise CaptureFailed(f"the snapshot failed: {type(e).__name__}: {e}",
-                            "the job was resumed and goes on running", "see the agent's log",
-                            phases=phases.rounded()) from e
+        raise err from e
+    finally:
+        if nccl is not None:
+            nccl.close()
+
+
+def _as_failure(e: BaseException, what: str) -> CryosleepError:
+    """The error to report once the rollback has run (it resumes the job)."""
+    if isinstance(e, InterceptorError):
+        return CaptureFailed(e.what, e.why, "the job was resumed and goes on running; " + e.hint, **e.details)
+    if isinstance(e, CryosleepError):
+        return e
+    return CaptureFailed(f"{what}: {type(e).__name__}: {e}", "the job was resumed and goes on running",
+                         "see the agent's log")
+
+
+def _undo_nccl(nccl: Driver | None, e: CryosleepError) -> None:
+    """Back to running: held ranks released, quiesced ones rebuilt first. What could not be undone is told."""
+    if nccl is None:
+        return
+    undone = nccl.rollback()
+    if undone:
+        e.details["nccl_rollback_problems"] = undone
+        e.why = (e.why + "; " if e.why else "") + "AND the job's NCCL state could not be restored: " + "; ".join(
+            undone)
+        e.hint = "the job may be stuck at its next NCCL call: end it and restore its last snapshot"
+
+
+def rehearse(target: Target, *, timeout: float = 600.0, progress: Progress | None = None) -> dict[str, Any]:
+    """Drain, quiesce, rebuild and resume the job's NCCL ranks without capturing anything."""
+    phases = Phases(progress)
+    deadline = time.monotonic() + timeout
+    nccl: Driver | None = None
+    try:
+        with phases.phase("preflight"):
+            nccl = nccl_driver(target)
+            if nccl is None:
+                raise NotEligible(f"job {target.spec.name!r} has no NCCL communicators to drain",
+                                  "none of its workers has called NCCL through the interceptor yet",
+                                  "rehearse once the job has started training (or it runs with --no-interceptor)")
+            problems = [c for c in eligibility.interceptor_checks(nccl.blocks) if c.fatal]
+            if problems:
+                raise _refuse(target, problems)
+        with phases.phase("drain"):
+            nccl.hold(deadline)
+            cut = nccl.drain(deadline)
+        with phases.phase("quiesce"):
+            nccl.quiesce(deadline)
+            facts = nccl_facts(nccl)
+        with phases.phase("rebuild"):
+            nccl.resume()
+        return {"job": target.spec.name, "mode": "rehearsal", "cut": cut.reason, "rounds": nccl.rounds,
+                "nccl": facts, "phases": phases.rounded(), "pause_s": round(phases.total(PAUSE), 4)}
+    except BaseException as e:
+        err = _as_failure(e, "the rehearsal failed")
+        _undo_nccl(nccl, err)
+        err.details.setdefault("phases", phases.rounded())
+        if err is e:
+            raise
+        raise err from e
+    finally:
+        if nccl is not None:
+            nccl.close()
 
 
 def _own_mount_ns(pid: int) -> bool:

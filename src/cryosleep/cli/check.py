@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from cryosleep import eligibility
+from cryosleep.agent import proctree
+from cryosleep.agent.interceptor import attach_published
 from cryosleep.agent.job import JobDir
 from cryosleep.cli.output import emit_json, table
 
@@ -19,13 +21,16 @@ def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_check(a: argparse.Namespace) -> int:
     checks = eligibility.system_checks()
     if a.job:
-        _, st = JobDir(a.job).read()
+        job = JobDir(a.job)
+        spec, st = job.read()
+        checks.extend(eligibility.nccl_env_checks(spec.env, spec.interceptor))
         if st.state != "running":
             checks.append(eligibility.Check("job", False, f"job {a.job} is {st.state}: {st.detail}".rstrip(": ")))
         else:
             found = eligibility.process_checks(st.init_pid)
             checks.extend(found or [eligibility.Check("job processes", True,
                                                       f"nothing uncapturable held by job {a.job}")])
+            checks.extend(_nccl(job, spec.ranks, st.init_pid))
     ok = all(c.ok for c in checks if c.fatal)
     if a.json:
         emit_json({"ok": ok, "checks": [c.to_json() for c in checks]})
@@ -33,3 +38,18 @@ def cmd_check(a: argparse.Namespace) -> int:
         print(table(["check", "ok", "detail"], [[c.name, "yes" if c.ok else "NO", c.detail] for c in checks]))
         print("eligible" if ok else "NOT eligible: see the rows marked NO")
     return 0 if ok else 1
+
+
+def _nccl(job: JobDir, ranks: list[int], init_pid: int) -> list[eligibility.Check]:
+    pids = {p for p in (proctree.ns_pid(x) for x in proctree.tree(init_pid)) if p is not None}
+    blocks = attach_published({r: job.ctl_path(r) for r in ranks}, pids)
+    try:
+        found = eligibility.interceptor_checks(blocks)
+        if blocks and not any(c.fatal for c in found):
+            comms = {s.ident for b in blocks.values() for s in b.comms()}
+            found.insert(0, eligibility.Check("nccl interceptor", True, f"ranks {sorted(blocks)} called NCCL: "
+                                              f"{len(comms)} communicator(s), drained and rebuilt at a snapshot"))
+        return found
+    finally:
+        for b in blocks.values():
+            b.close()

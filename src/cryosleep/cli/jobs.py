@@ -42,6 +42,9 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-python", "--no_python", action="store_true", help="run the program directly")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a Python module")
     p.add_argument("--detach", action="store_true", help="return once the job runs; follow it with `jobs`")
+    p.add_argument("--no-interceptor", action="store_true",
+                   help="do not preload Cryosleep's NCCL interceptor into the workers (a job that then holds live "
+                   "NCCL communicators on GPUs cannot be snapshot)")
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -83,6 +86,7 @@ def build_spec(a: argparse.Namespace) -> JobSpec:
         name=name, program=program, cwd=os.getcwd(), env=dict(os.environ),
         nproc_per_node=a.nproc_per_node, nnodes=1, node_rank=0, master_addr=a.master_addr,
         master_port=a.master_port or free_port(), run_id=a.run_id or secrets.token_hex(4),
+        interceptor=not a.no_interceptor,
     )
 
 

@@ -11,7 +11,7 @@ from cryosleep import paths
 from cryosleep.agent.control import ControlClient
 from cryosleep.agent.job import JobDir
 from cryosleep.cli.output import PhasePrinter, emit_json, human_bytes, phase_table, require_root, table, when
-from cryosleep.errors import StoreCorrupt
+from cryosleep.errors import StoreCorrupt, UsageError
 from cryosleep.store.local import LocalStore
 
 
@@ -26,6 +26,9 @@ def add_snapshots(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help="end the job once the snapshot is complete and verified (default: keep it running)")
     s.add_argument("--timeout", type=float, default=600.0, help="give up (and resume the job) after this")
     s.add_argument("--store", type=Path, default=None, help="store directory (default $CRYOSLEEP_STORE)")
+    s.add_argument("--rehearse", action="store_true",
+                   help="drain the job's NCCL ranks to a consistent cut, quiesce and rebuild their communicators, "
+                   "and resume, capturing nothing (shows that the job can be cut, and the pause it costs)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_snapshot)
 
@@ -61,14 +64,24 @@ def cmd_snapshot(a: argparse.Namespace) -> int:
         job.read()  # raises NotFound with the right words
     client = ControlClient(job.socket, a.job)
     printer = PhasePrinter(not a.json)
+    if a.rehearse and a.stop:
+        raise UsageError("--rehearse and --stop cannot be combined", "a rehearsal captures nothing",
+                         "drop one of them")
     if not a.json:
-        sys.stderr.write(f"cryosleep: {'stop' if a.stop else 'keep-running'} snapshot of job {a.job}\n")
+        what = "rehearsal (nothing captured)" if a.rehearse else "stop snapshot" if a.stop else "keep-running snapshot"
+        sys.stderr.write(f"cryosleep: {what} of job {a.job}\n")
     store = str((a.store or paths.default_store()).resolve())
-    req = {"op": "snapshot", "stop": a.stop, "timeout": a.timeout, "store": store,
+    req = {"op": "snapshot", "stop": a.stop, "timeout": a.timeout, "store": store, "rehearse": a.rehearse,
            "fault": os.environ.get("CRYOSLEEP_FAULT")}
     res = client.call(req, on_event=printer.event)
     if a.json:
         emit_json(res)
+        return 0
+    if a.rehearse:
+        print(f"job {res['job']}: consistent NCCL cut reached in {res['rounds']} round(s), pause "
+              f"{res['pause_s']:.3f} s; nothing was captured")
+        print(f"  {res['cut']}")
+        print(phase_table(res["phases"]))
         return 0
     print(f"snapshot {res['snapshot']} of job {res['job']} ({res['mode']})")
     print(f"  pause {res['pause_s']:.3f} s, image {human_bytes(res['bytes'])} "
@@ -104,6 +117,11 @@ def cmd_show(a: argparse.Namespace) -> int:
     for n in m.nodes:
         print(f"node {n.node_rank}: ranks {n.ranks}, {n.processes} processes, {len(n.files)} files, "
               f"{human_bytes(n.bytes)}, {len(n.staged)} job files staged")
+        if n.nccl.get("ranks"):
+            ranks = n.nccl["ranks"]
+            comms = {c["ident"] for r in ranks for c in r["comms"]}
+            print(f"  NCCL: ranks {[r['rank'] for r in ranks]} cut with {len(comms)} communicator(s), "
+                  "rebuilt on restore")
     print(phase_table(m.phases))
     return 0
 

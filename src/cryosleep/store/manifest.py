@@ -53,6 +53,10 @@ class NodeImage:
     rss_bytes: int = 0
     gpu: dict[str, Any] = field(default_factory=dict)  # driver, gpus [{index, uuid, name}], cuda_pids
     mounts: list[str] = field(default_factory=list)  # host mountpoints the sandbox binds (CRIU externals)
+    # The NCCL interceptors at the cut: {"generation": G, "ranks": [{"rank", "ctl", "pid", "nccl_version",
+    # "comms": [{"ident", "vid", "rank", "nranks", "seq", "sent", "received", "rebuild", "state", "device"}]}]};
+    # empty when no worker had called NCCL. A restore rebuilds these communicators.
+    nccl: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -106,6 +110,7 @@ class Manifest:
                     rss_bytes=n.get("rss_bytes", 0),
                     gpu=n.get("gpu") or {},
                     mounts=list(n.get("mounts") or []),
+                    nccl=n.get("nccl") or {},
                 )
             )
         return cls(

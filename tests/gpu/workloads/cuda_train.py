@@ -37,7 +37,11 @@ def main() -> None:
     side = dist.new_group(list(range(world))) if world > 1 and args.async_groups else None
     ballast = torch.ones(int(args.mem_gib * 2**28), device=dev) if args.mem_gib else None
     gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    t0 = 0.0
     for step in range(args.steps):
+        if step == min(5, args.steps - 1):  # after warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
         x = torch.randn(512, 256, device=dev, generator=gen)
         loss = torch.nn.functional.mse_loss(net(x), x.roll(1, dims=1))
         opt.zero_grad()
@@ -52,6 +56,9 @@ def main() -> None:
         print(f"step {step} loss {loss.item().hex()}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    torch.cuda.synchronize()
+    timed = args.steps - min(5, args.steps - 1)
+    print(f"time_per_step {(time.perf_counter() - t0) / max(timed, 1):.6f}", flush=True)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -11,7 +11,8 @@ Communicators, in creation order:
 and one registered buffer on world (re-registered at rebuild, deregistered at the end).
 Per step: world allreduce + broadcast, a ring send/recv in one group, sub allreduce(max),
 child allgather, solo allreduce. Exactly 2 world collectives and one send and one receive per
-step, which the tests rely on. Prints one JSON line per step with a digest of the state.
+step, after the 4 splits of world at set-up (a split counts as a collective of its parent), which
+the tests rely on. Prints one JSON line per step with a digest of the state.
 """
 
 from __future__ import annotations

@@ -1,0 +1,60 @@
+"""Time per training step with and without the NCCL interceptor (issue 3: within 1%), on a GPU machine.
+
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src:. python3 bench/interceptor_overhead.py [--steps 300] [--repeats 3]
+
+Runs tests/gpu/workloads/cuda_train.py on 2 ranks (DDP over NCCL, no sleep between steps) under
+`cryosleep run` with the interceptor preloaded and with `--no-interceptor`, alternating, and prints the
+median time per step of each, their ratio, and whether the losses were identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
+
+
+def run(home: Path, name: str, steps: int, intercept: bool) -> tuple[float, list[str]]:
+    env = dict(os.environ, CRYOSLEEP_HOME=str(home))
+    flags = [] if intercept else ["--no-interceptor"]
+    res = subprocess.run([sys.executable, "-m", "cryosleep.cli.main", "run", "--nproc-per-node", "2", "--name", name,
+                          *flags, str(WORKLOAD), "--steps", str(steps), "--step-sleep", "0", "--hidden", "4096"],
+                         capture_output=True, text=True, env=env, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"run failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    per_step = [float(ln.split()[-1]) for ln in res.stdout.splitlines() if "time_per_step" in ln]
+    losses = [ln for ln in res.stdout.splitlines() if "] step " in ln or ln.startswith("[rank")]
+    return max(per_step), [ln for ln in losses if " loss " in ln]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="cryosleep-overhead-"))
+    os.environ.setdefault("CRYOSLEEP_CRIU_ROOT", "/var/lib/cryosleep/criu")
+    times: dict[bool, list[float]] = {True: [], False: []}
+    losses: dict[bool, list[str]] = {}
+    for i in range(a.repeats):
+        for intercept in (True, False):
+            t, ls = run(home, f"oh{i}{int(intercept)}", a.steps, intercept)
+            times[intercept].append(t)
+            losses[intercept] = ls
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print("| variant | median s/step | runs |")
+    print("|---|---|---|")
+    print(f"| interceptor preloaded | {on:.6f} | {', '.join(f'{t:.6f}' for t in times[True])} |")
+    print(f"| --no-interceptor | {off:.6f} | {', '.join(f'{t:.6f}' for t in times[False])} |")
+    print(f"ratio {on / off:.4f}; losses identical: {losses[True] == losses[False]} ({len(losses[True])} lines)")
+
+
+if __name__ == "__main__":
+    main()

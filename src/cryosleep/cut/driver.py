@@ -1,0 +1,365 @@
+"""The agent's side of the interceptor protocol: drain to a consistent cut, quiesce, rebuild, resume.
+
+One ``Driver`` drives the control blocks of a job's ranks on this node through the steps of
+docs/interceptor.md ("The agent's procedures"), with ``cryosleep.cut.rules`` choosing the targets:
+
+    hold      zero every target, set the HOLD deadline, HOLD(g): every thread stops at its next NCCL call
+    drain     rounds of decide -> write targets -> wait for the ranks to answer, until DONE (or give up)
+    quiesce   QUIESCE(g): every rank flushes and destroys its real communicators
+    rebuild   REBUILD(g), relaying each communicator's fresh unique id from its rank-0 member to the others
+    run       RUN(g): the gates open, the fast path is back
+
+Every command carries a new generation, one counter for the whole job. ``rollback()`` brings the job
+back to running from wherever a failure left it: ranks still live get RUN, quiesced ones are rebuilt
+first (ranks still live next to quiesced ones are quiesced too, so that every member re-creates the
+same communicators). It reads where each rank is from its block rather than trusting what was sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+from cryosleep.agent.interceptor import (
+    Cmd,
+    ControlBlock,
+    InterceptorError,
+    State,
+    flag_reasons,
+)
+from cryosleep.cut.rules import (
+    Action,
+    CommTarget,
+    Decision,
+    RankView,
+    Targets,
+    decide,
+    relay_plan,
+    slot_targets,
+)
+from cryosleep.errors import CaptureFailed, CryosleepError
+
+# How long a control thread may take to answer a command that involves no NCCL work (it polls every
+# 5 ms while running, every 1 ms otherwise).
+ANSWER_TIMEOUT_S = 10.0
+# REBUILD and the RUN after it run after the capture, when the snapshot's own deadline may be spent:
+# they get their own time.
+REBUILD_TIMEOUT_S = 120.0
+# A HOLD the agent leaves behind (the agent died) is released by the interceptor this long after the
+# snapshot's deadline.
+HOLD_GRACE_S = 5.0
+
+STATE_NAMES = {int(s): s.name for s in State}
+
+
+def read_view(rank: int, block: ControlBlock) -> RankView:
+    """One rank's block, read once: what ``decide`` needs. The answer to the targets is read first, so that
+    the counters read after it are never older than the ``settled`` they are judged with."""
+    targets_gen = block.targets_gen
+    settled_gen, settled = block.settled()
+    comms = tuple(block.comms())
+    return RankView(rank=rank, comms=comms, held=block.held, busy=block.busy, in_group=block.in_group,
+                    targets_gen=targets_gen, settled_gen=settled_gen, settled=settled,
+                    premul_live=block.premul_live)
+
+
+@dataclass
+class RankRecord:
+    """What the manifest keeps of one rank's interceptor at the cut."""
+
+    rank: int
+    ctl: str
+    pid: int
+    nccl_version: int
+    comms: list[dict[str, int]]
+
+
+class Driver:
+    """The control blocks of one job's ranks (job rank -> block), driven together.
+
+    ``discover`` (optional) returns the blocks published now by ranks other than the given ones; a rank that
+    publishes its block during a drain (its first NCCL call) is brought into the HOLD at once.
+    """
+
+    def __init__(self, blocks: Mapping[int, ControlBlock],
+                 discover: Callable[[Collection[int]], Mapping[int, ControlBlock]] | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.blocks: dict[int, ControlBlock] = dict(sorted(blocks.items()))
+        self.discover = discover
+        self.log = log or (lambda _msg: None)
+        self.gen = max((max(b.cmd()[1], b.state()[1]) for b in self.blocks.values()), default=0)
+        self.touched = False  # a command was written: rollback has something to undo
+        self.hold_deadline_ns = 0
+        self.floor: dict[int, CommTarget] = {}
+        self.last: Decision | None = None
+        self.rounds = 0
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.blocks)
+
+    def close(self) -> None:
+        for b in self.blocks.values():
+            b.close()
+        self.blocks = {}
+
+    # ---- commands and answers ----------------------------------------------------------------------
+
+    def command(self, cmd: Cmd, ranks: Iterable[int] | None = None) -> int:
+        """Writes ``cmd`` with a new generation on the given ranks (default: all); returns the generation."""
+        self.gen += 1
+        self.touched = True
+        for r in self.ranks if ranks is None else ranks:
+            self.blocks[r].command(cmd, self.gen)
+        return self.gen
+
+    def wait(self, state: State, gen: int, deadline: float, ranks: Iterable[int] | None = None) -> None:
+        """Waits until every given rank answers ``state`` for ``gen``; InterceptorError names the ranks
+        that answered ERROR (with the interceptor's reason) or did not answer in time."""
+        pending = list(self.ranks if ranks is None else ranks)
+        nap = 0.0005
+        while pending:
+            errors: dict[int, str] = {}
+            still: list[int] = []
+            for r in pending:
+                st, g = self.blocks[r].state()
+                if (st, g) == (state, gen):
+                    continue
+                if st == State.ERROR and g == gen:
+                    errors[r] = self.blocks[r].error
+                else:
+                    still.append(r)
+            if errors:
+                raise InterceptorError(f"the NCCL interceptor refused {self._cmd_of(state).name}",
+                                       "; ".join(f"rank {r}: {e}" for r, e in errors.items()),
+                                       "see the workers' logs (lines 'cryosleep-nccl[PID]')", ranks=sorted(errors))
+            pending = still
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                seen = ", ".join(f"rank {r} {self._state_text(r)}" for r in pending)
+                raise InterceptorError(f"the NCCL interceptor did not answer {self._cmd_of(state).name}",
+                                       f"waiting for {state.name}({gen}): {seen}",
+                                       "a worker may be stopped, gone, or stuck inside an NCCL call",
+                                       ranks=pending)
+            time.sleep(nap)
+            nap = min(nap * 2, 0.01)
+
+    @staticmethod
+    def _cmd_of(state: State) -> Cmd:
+        return {State.RUNNING: Cmd.RUN, State.HOLDING: Cmd.HOLD, State.QUIESCED: Cmd.QUIESCE}.get(state, Cmd.REBUILD)
+
+    def _state_text(self, rank: int) -> str:
+        st, g = self.blocks[rank].state()
+        return f"{STATE_NAMES.get(st, str(st))}({g})"
+
+    # ---- drain -------------------------------------------------------------------------------------
+
+    def views(self) -> list[RankView]:
+        return [read_view(r, b) for r, b in self.blocks.items()]
+
+    def _hold_ranks(self, ranks: list[int]) -> None:
+        for r in ranks:
+            b = self.blocks[r]
+            b.zero_targets()
+            b.bump_targets_gen()
+            b.set_hold_deadline_ns(self.hold_deadline_ns)
+
+    def hold(self, deadline: float) -> None:
+        """HOLD with every target at 0: each thread stops at its next NCCL call. ``deadline`` is the
+        snapshot's (monotonic seconds); the interceptors release a HOLD still in force a little after it."""
+        self.hold_deadline_ns = int((deadline + HOLD_GRACE_S) * 1e9)
+        self.floor = {}
+        self._hold_ranks(self.ranks)
+        gen = self.command(Cmd.HOLD)
+        self.wait(State.HOLDING, gen, min(deadline, time.monotonic() + ANSWER_TIMEOUT_S))
+
+    def _join_late_ranks(self, deadline: float) -> None:
+        """Ranks that published their block after the HOLD (their first NCCL call) join it."""
+        if self.discover is None:
+            return
+        fresh = dict(self.discover(set(self.blocks)))
+        if not fresh:
+            return
+        self.log(f"ranks {sorted(fresh)} published their control blocks during the drain: holding them too")
+        self.blocks.update(fresh)
+        self.blocks = dict(sorted(self.blocks.items()))
+        self._hold_ranks(list(fresh))
+        for b in fresh.values():
+            b.command(Cmd.HOLD, self.gen)
+        self.wait(State.HOLDING, self.gen, min(deadline, time.monotonic() + ANSWER_TIMEOUT_S), ranks=fresh)
+
+    def write_targets(self, targets: Targets, views: list[RankView]) -> dict[int, int]:
+        """Writes every slot's targets that differ, then bumps each rank's targets_gen; returns those."""
+        for v in views:
+            b = self.blocks[v.rank]
+            for s in v.comms:
+                want = slot_targets(targets, s)
+                if want != (s.coll_target, s.send_target, s.recv_target):
+                    b.set_targets(s.index, *want)
+        return {r: b.bump_targets_gen() for r, b in self.blocks.items()}
+
+    def _wait_answers(self, gens: Mapping[int, int], deadline: float) -> None:
+        nap = 0.0002
+        while any(self.blocks[r].settled()[0] != g for r, g in gens.items()):
+            if time.monotonic() > deadline:
+                return  # decide() sees who did not answer and gives up
+            time.sleep(nap)
+            nap = min(nap * 2, 0.005)
+
+    def drain(self, deadline: float, now: Callable[[], float] = time.monotonic) -> Decision:
+        """Rounds of decide/write/wait until every rank is settled at a consistent cut.
+
+        Raises CaptureFailed (naming the ranks and communicators short of the cut) when the deadline passes
+        or the cut cannot be rebuilt; the ranks are still held then, and ``rollback()`` releases them."""
+        nap = 0.0005
+        while True:
+            self._join_late_ranks(deadline)
+            views = self.views()
+            d = decide(now(), deadline, views, self.floor)
+            self.last = d
+            self.rounds += 1
+            if d.action is Action.DONE:
+                return d
+            if d.action is Action.GIVE_UP:
+                raise CaptureFailed(
+                    "the job's ranks did not reach a consistent NCCL cut",
+                    d.reason,
+                    "the job was resumed and goes on running; snapshot again later (or with a longer --timeout "
+                    "if a rank was in a long stretch without NCCL calls)",
+                    ranks=sorted({v.rank for v in views if not (v.answered and v.settled)}),
+                )
+            if d.action is Action.WRITE:
+                self.log(f"drain round {self.rounds}: {d.reason}")
+                self.floor = d.targets
+                self._wait_answers(self.write_targets(d.targets, views), deadline)
+                nap = 0.0005
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, 0.01)
+
+    # ---- quiesce, rebuild, run ---------------------------------------------------------------------
+
+    def quiesce(self, deadline: float) -> None:
+        """QUIESCE(g) right after the drain: every rank destroys its real communicators."""
+        gen = self.command(Cmd.QUIESCE)
+        try:
+            self.wait(State.QUIESCED, gen, max(deadline, time.monotonic() + ANSWER_TIMEOUT_S))
+        except InterceptorError as e:
+            raise CaptureFailed("the NCCL communicators could not be quiesced", f"{e.what}: {e.why}",
+                                "the job was resumed and goes on running; see the workers' logs") from e
+        late = sorted(self.discover(set(self.blocks))) if self.discover is not None else []
+        if late:  # they ran free, outside the cut: capturing them now could split a communicator's creation
+            raise CaptureFailed("ranks started using NCCL during the snapshot",
+                                f"ranks {late} published their control blocks after the cut was reached",
+                                "the job was resumed and goes on running; snapshot again", ranks=late)
+
+    def rebuild(self, timeout: float = REBUILD_TIMEOUT_S) -> None:
+        """REBUILD(g) on every rank, relaying fresh unique ids, until every rank answers RUNNING(g). The
+        application's threads stay held until ``run()``."""
+        gen = self.command(Cmd.REBUILD)
+        deadline = time.monotonic() + timeout
+        nap = 0.0002
+        while True:
+            slots = [(r, b.comms()) for r, b in self.blocks.items()]
+            relays, pending = relay_plan(slots, gen)
+            for relay in relays:
+                src_rank, src_index = relay.source
+                uid_gen, uid = self.blocks[src_rank].uid(src_index)
+                if uid_gen != gen:
+                    continue
+                for dst_rank, dst_index in relay.dest:
+                    self.blocks[dst_rank].put_uid(dst_index, uid, gen)
+            states = {r: b.state() for r, b in self.blocks.items()}
+            failed = [f"rank {r}: {self.blocks[r].error}" for r, (st, g) in states.items()
+                      if st == State.ERROR and g == gen]
+            if failed:
+                raise InterceptorError("the NCCL communicators could not be rebuilt", "; ".join(failed),
+                                       "see the workers' logs (lines 'cryosleep-nccl[PID]')")
+            if all(s == (State.RUNNING, gen) for s in states.values()):
+                return
+            if time.monotonic() > deadline:
+                late = [f"rank {r} {self._state_text(r)}" for r, s in states.items() if s != (State.RUNNING, gen)]
+                why = "still " + ", ".join(late)
+                if pending:
+                    why += "; no fresh id yet from the rank-0 member of " + ", ".join(f"{i:016x}" for i in pending)
+                raise InterceptorError(f"the NCCL communicators were not rebuilt within {timeout:g} s", why,
+                                       "see the workers' logs (lines 'cryosleep-nccl[PID]')")
+            time.sleep(nap)
+            nap = min(nap * 2, 0.005)
+
+    def run(self, timeout: float = ANSWER_TIMEOUT_S) -> None:
+        """RUN(g): every gate opens and the fast path is back."""
+        gen = self.command(Cmd.RUN)
+        self.wait(State.RUNNING, gen, time.monotonic() + timeout)
+        self.touched = False
+
+    def resume(self, retries: int = 1) -> None:
+        """After a capture (or a restore): rebuild, then run. A rebuild that fails on some ranks is retried
+        (the ranks that did rebuild are quiesced again first, so that every member re-creates the same
+        communicators); the application's threads stay held until every rank has rebuilt."""
+        for attempt in range(retries + 1):
+            try:
+                self.rebuild()
+                break
+            except InterceptorError as e:
+                if attempt == retries:
+                    raise
+                self.log(f"rebuild failed ({e.why}); quiescing the rebuilt ranks and retrying")
+                live = [r for r, b in self.blocks.items() if b.comms_live]
+                if live:
+                    self._requiesce(live, time.monotonic() + REBUILD_TIMEOUT_S)
+        self.run()
+
+    # ---- rollback ----------------------------------------------------------------------------------
+
+    def _requiesce(self, ranks: list[int], deadline: float) -> None:
+        """Quiesces ranks that are live and exactly at the cut (targets = their own counters)."""
+        for r in ranks:
+            b = self.blocks[r]
+            for s in b.comms():
+                b.set_targets(s.index, s.seq, s.send, s.recv)
+            b.bump_targets_gen()
+            b.set_hold_deadline_ns(int((deadline + HOLD_GRACE_S) * 1e9))
+        gen = self.command(Cmd.HOLD, ranks)
+        self.wait(State.HOLDING, gen, deadline, ranks)
+        gen = self.command(Cmd.QUIESCE, ranks)
+        self.wait(State.QUIESCED, gen, deadline, ranks)
+
+    def rollback(self) -> list[str]:
+        """Back to running from wherever the job is; returns what could not be undone (empty: all was)."""
+        if not self.touched or not self.blocks:
+            return []
+        try:
+            live = [r for r, b in self.blocks.items() if b.comms_live]
+            if len(live) == len(self.blocks):
+                self.run()
+                return []
+            if live:
+                self._requiesce(live, time.monotonic() + REBUILD_TIMEOUT_S)
+            self.resume()
+            return []
+        except CryosleepError as e:
+            return [f"{e.what}: {e.why}"]
+
+    # ---- records -----------------------------------------------------------------------------------
+
+    def records(self) -> list[RankRecord]:
+        out = []
+        for r, b in self.blocks.items():
+            comms = [{"ident": s.ident, "vid": s.vid, "rank": s.rank, "nranks": s.nranks, "seq": s.seq,
+                      "sent": sum(s.send), "received": sum(s.recv), "rebuild": s.rebuild, "state": s.state,
+                      "device": s.device} for s in b.comms()]
+            out.append(RankRecord(rank=r, ctl=str(b.path), pid=b.pid, nccl_version=b.nccl_version, comms=comms))
+        return out
+
+    def feature_problems(self) -> list[str]:
+        """What the interceptors refuse (flags, no control thread), per rank, in words."""
+        out: list[str] = []
+        for r, b in self.blocks.items():
+            if not b.control_thread:
+                out.append(f"rank {r}: no interceptor control thread serves its control block")
+            out.extend(f"rank {r}: {why}" for why in flag_reasons(b.flags))
+        return out
+
