@@ -30,8 +30,9 @@ def run(home: Path, name: str, steps: int, intercept: bool) -> tuple[float, list
     if res.returncode != 0:
         raise SystemExit(f"run failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     per_step = [float(ln.split()[-1]) for ln in res.stdout.splitlines() if "time_per_step" in ln]
-    losses = [ln for ln in res.stdout.splitlines() if "] step " in ln or ln.startswith("[rank")]
-    return max(per_step), [ln for ln in losses if " loss " in ln]
+    # The ranks' lines interleave differently from run to run: compare each rank's own sequence.
+    losses = sorted((ln for ln in res.stdout.splitlines() if " loss " in ln), key=lambda ln: ln.split("]")[0])
+    return max(per_step), losses
 
 
 def main() -> None:
