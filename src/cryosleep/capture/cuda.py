@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -228,6 +230,41 @@ def restore_checked(pid: int, pairs: Sequence[tuple[bytes, bytes]] = ()) -> None
     drv.restore(pid, pairs)
 
 
+def _threads(pid: int) -> frozenset[tuple[int, str]]:
+    out = set()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return frozenset()
+    for tid in tids:
+        out.add((int(tid), proctree.state(int(tid))))
+    return frozenset(out)
+
+
+def settle_threads(pids: Sequence[int], quiet_s: float = 0.02, limit_s: float = 5.0) -> bool:
+    """Wait until the threads of ``pids`` stop changing (none exiting) for ``quiet_s``.
+
+    The driver's checkpoint call returns while threads it used in the target process may still be
+    exiting; CRIU seizing the process at that moment fails ("Zombies with threads are not supported",
+    "Unable to detach ... No such process"), as seen on the H200 machines; whether this wait removes every
+    such failure is not proven yet (docs/gpu-acceptance.md). Returns False if the threads were still
+    changing after ``limit_s`` (the dump then goes ahead and reports what it finds).
+    """
+    end = time.monotonic() + limit_s
+    last: dict[int, frozenset[int]] = {}
+    stable_since = time.monotonic()
+    while time.monotonic() < end:
+        seen = {p: _threads(p) for p in pids}
+        now = {p: frozenset(tid for tid, _ in ts) for p, ts in seen.items()}
+        exiting = any(st in ("Z", "X") for ts in seen.values() for _, st in ts)
+        if now != last or exiting:
+            last, stable_since = now, time.monotonic()
+        elif time.monotonic() - stable_since >= quiet_s:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 class GpuSet:
     """The CUDA processes of one sandbox, driven together (in parallel) through the checkpoint API, and
     remembering how far they got so that one rollback can undo exactly that."""
@@ -253,6 +290,7 @@ class GpuSet:
     def checkpoint(self) -> None:
         self.checkpointed = True
         self._each(driver().checkpoint)
+        settle_threads(self.pids)
 
     def restore(self, pairs: Sequence[tuple[bytes, bytes]] = ()) -> None:
         self._each(lambda p: restore_checked(p, pairs))
