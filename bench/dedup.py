@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from _cli import cli  # bench/ is on sys.path when a script here is run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
@@ -46,13 +46,6 @@ from cryosleep.store.chunking import DEFAULT, ChunkSpec, iter_chunks  # noqa: E4
 MiB = 1 << 20
 
 
-def cli(env: dict[str, str], *args: str) -> dict[str, object]:
-    res = subprocess.run([sys.executable, "-m", "cryosleep.cli.main", args[0], "--json", *args[1:]],
-                         capture_output=True, text=True, env=env, check=False)
-    if res.returncode != 0:
-        raise SystemExit(f"cryosleep {' '.join(args)} failed:\n{res.stdout}\n{res.stderr}")
-    out: dict[str, object] = json.loads(res.stdout)
-    return out
 
 
 def make_images(tmp: Path, mem_mb: int, nproc: int) -> list[Path]:

@@ -17,23 +17,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _cli import cli  # bench/ is on sys.path when a script here is run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
 GPU_WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 
 
-def cli(env: dict[str, str], *args: str) -> dict[str, object]:
-    res = subprocess.run([sys.executable, "-m", "cryosleep.cli.main", args[0], "--json", *args[1:]],
-                         capture_output=True, text=True, env=env, check=False)
-    if res.returncode != 0:
-        raise SystemExit(f"cryosleep {' '.join(args)} failed:\n{res.stdout}\n{res.stderr}")
-    out: dict[str, object] = json.loads(res.stdout)
-    return out
 
 
 def wait_lines(log: Path, n: int, timeout: float = 600) -> None:
