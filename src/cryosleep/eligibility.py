@@ -81,8 +81,71 @@ def _criu() -> list[Check]:
     return out
 
 
+# The driver's checkpoint API appeared in 550; restoring onto other GPUs (a UUID map) needs 570 or later.
+MIN_DRIVER = (550, 0)
+MIN_DRIVER_GPU_MAP = (570, 0)
+SMI_QUERY = "name,uuid,driver_version,persistence_mode,mig.mode.current"
+
+
+def gpu_checks_from_smi(csv: str, env: dict[str, str]) -> list[Check]:
+    """The GPU part of the report, from `nvidia-smi --query-gpu=SMI_QUERY --format=csv,noheader`."""
+    rows = [[c.strip() for c in line.split(",")] for line in csv.strip().splitlines() if line.strip()]
+    if not rows:
+        return [Check("gpus", True, "none on this machine (CPU jobs only)", fatal=False)]
+    out: list[Check] = []
+    models = sorted({r[0] for r in rows})
+    out.append(Check("gpus", len(models) == 1, f"{len(rows)} x {', '.join(models)}" +
+                     ("" if len(models) == 1 else ": mixed models; a job's GPUs must be of one model"), fatal=False))
+    driver = rows[0][2]
+    try:
+        version = tuple(int(x) for x in driver.split(".")[:2])
+    except ValueError:
+        version = (0, 0)
+    ok = version >= MIN_DRIVER
+    detail = f"NVIDIA driver {driver}"
+    if not ok:
+        detail += f": the CUDA checkpoint API needs {MIN_DRIVER[0]} or later"
+    elif version < MIN_DRIVER_GPU_MAP:
+        detail += f": restore onto other GPUs (--gpu-map) needs {MIN_DRIVER_GPU_MAP[0]} or later"
+    out.append(Check("driver", ok, detail))
+    off = [r[1] for r in rows if r[3].lower() != "enabled"]
+    out.append(Check("persistence mode", not off, "enabled on every GPU" if not off else
+                     f"off on {len(off)} GPU(s): the driver may unload between jobs and a restore then pays its "
+                     "start-up; ask the machine's administrator to enable it", fatal=False))
+    mig = [r[1] for r in rows if r[4].lower() == "enabled"]
+    out.append(Check("MIG", not mig, "off" if not mig else
+                     f"MIG is enabled on {len(mig)} GPU(s): the CUDA checkpoint does not support MIG instances"))
+    mps = env.get("CUDA_MPS_PIPE_DIRECTORY") or ("/tmp/nvidia-mps" if Path("/tmp/nvidia-mps/control").exists() else "")
+    out.append(Check("MPS", not mps, "not in use" if not mps else
+                     f"an MPS server is in use ({mps}): processes behind MPS cannot be checkpointed"))
+    nvls = env.get("NCCL_NVLS_ENABLE")
+    out.append(Check("NCCL_NVLS_ENABLE", nvls in (None, "0"), "unset (cryosleep run sets it to 0)" if nvls is None
+                     else f"{nvls} in this environment" + ("" if nvls == "0" else ": NVLink multicast cannot be "
+                                                                              "captured; set it to 0"),
+                     fatal=False))
+    return out
+
+
+def _gpu() -> list[Check]:
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [Check("gpus", True, "no nvidia-smi: CPU jobs only", fatal=False)]
+    res = subprocess.run([smi, f"--query-gpu={SMI_QUERY}", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    if res.returncode != 0:
+        return [Check("gpus", False, f"nvidia-smi failed: {res.stderr.strip() or res.stdout.strip()}", fatal=False)]
+    checks = gpu_checks_from_smi(res.stdout, dict(os.environ))
+    from cryosleep.capture import cuda
+
+    checks.append(Check("cuda checkpoint API", cuda.available(), "libcuda has cuCheckpointProcessLock"
+                        if cuda.available() else "libcuda.so.1 or its checkpoint API is missing"))
+    return checks
+
+
 def system_checks() -> list[Check]:
-    return [_kernel(), _root(), _pid_namespaces(), _native(), *_criu()]
+    return [_kernel(), _root(), _pid_namespaces(), _native(), *_criu(), *_gpu()]
 
 
 GPU_DEVICES = ("/dev/nvidia", "/dev/dri")

@@ -59,3 +59,29 @@ def test_missing_native_helpers_are_explained(monkeypatch: pytest.MonkeyPatch, t
     c = next(c for c in eligibility.system_checks() if c.name == "sandbox init")
     assert not c.ok and "make -C native" in c.detail
     assert os.environ["CRYOSLEEP_NATIVE_DIR"] == str(tmp_path)
+
+
+H200 = ("NVIDIA H200, GPU-497f9be6-753d-e541-65dd-c97e2d4802b7, 580.159.04, Enabled, [N/A]\n"
+        "NVIDIA H200, GPU-79b08128-4675-45e8-224f-609369039980, 580.159.04, Enabled, [N/A]\n")
+
+
+def test_gpu_report_from_nvidia_smi() -> None:
+    checks = {c.name: c for c in eligibility.gpu_checks_from_smi(H200, {})}
+    assert checks["gpus"].ok and checks["gpus"].detail == "2 x NVIDIA H200"
+    assert checks["driver"].ok and "580.159.04" in checks["driver"].detail
+    assert checks["persistence mode"].ok and checks["MIG"].ok and checks["MPS"].ok
+    assert checks["NCCL_NVLS_ENABLE"].ok
+
+
+def test_gpu_report_refuses_what_the_checkpoint_cannot_do() -> None:
+    bad = "NVIDIA H100, GPU-1, 535.104.05, Disabled, Enabled\nNVIDIA H200, GPU-2, 535.104.05, Enabled, Disabled\n"
+    checks = {c.name: c for c in eligibility.gpu_checks_from_smi(bad, {"NCCL_NVLS_ENABLE": "1",
+                                                                        "CUDA_MPS_PIPE_DIRECTORY": "/x"})}
+    assert not checks["driver"].ok and "550 or later" in checks["driver"].detail
+    assert not checks["gpus"].ok and "mixed models" in checks["gpus"].detail
+    assert not checks["persistence mode"].ok and not checks["persistence mode"].fatal
+    assert not checks["MIG"].ok and checks["MIG"].fatal
+    assert not checks["MPS"].ok and not checks["NCCL_NVLS_ENABLE"].ok
+    old_map = eligibility.gpu_checks_from_smi("NVIDIA H200, GPU-1, 560.35.03, Enabled, [N/A]\n", {})
+    assert "570 or later" in next(c.detail for c in old_map if c.name == "driver")
+    assert eligibility.gpu_checks_from_smi("", {})[0].detail.startswith("none")
