@@ -218,12 +218,13 @@ def process_checks(root_pid: int) -> list[Check]:
         who = f"PID {pid} ({comm})"
         if st in ("T", "t"):
             problems.append(Check("process state", False, f"{who} is stopped or traced (another debugger?)"))
-        for f in proctree.open_files(pid):
+        held = proctree.open_files(pid)
+        for f in held:
             if f.target == "anon_inode:[io_uring]":
                 problems.append(Check("io_uring", False,
                                       f"{who} holds an io_uring, which CRIU cannot dump (PyTorch's libuv TCPStore "
                                       "does this: run the job with USE_LIBUV=0, as `cryosleep run` does)"))
-        if any(f.target.startswith(GPU_DEVICES) for f in proctree.open_files(pid)):
+        if any(f.target.startswith(GPU_DEVICES) for f in held):
             problems.extend(_gpu_process(pid, who))
     seen: set[tuple[str, str]] = set()
     unique = []

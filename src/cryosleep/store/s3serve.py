@@ -57,7 +57,7 @@ from cryosleep.errors import CryosleepError
 __all__ = ["LOCK_PATH", "RadosgwUnavailable", "S3Server", "install", "locate", "status", "update_lock"]
 
 LOCK_PATH = Path(__file__).with_name("radosgw.lock.json")
-MARKER_NAME = ".cryosleep-installed.json"
+MARKER_NAME = ci.MARKER_NAME
 ROOT_PACKAGES = ("radosgw",)
 # In the apt closure of radosgw but never loaded by the radosgw and radosgw-admin binaries or the plugins
 # they dlopen (checked with the prefix loader's --list): left out to keep the prefix and the lock small.
@@ -177,14 +177,6 @@ def _command(prefix: Path, binary: str, *args: str) -> list[str]:
     return [*argv, *args]
 
 
-def _read_marker(prefix: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((prefix / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _download(lock: GatewayLock, dest: Path, say: ci.Progress) -> tuple[dict[str, Path], list[str], str]:
     """The .debs to unpack: the pinned ones when still served (checked against the lock), else the current
     versions of the same packages (checked by apt against the signed index). Returns (debs, versions, how)."""
@@ -242,7 +234,7 @@ def install(*, force: bool = False, progress: ci.Progress | None = None) -> Path
     root = _root()
     final = lock.prefix_dir()
     with ci._install_lock(root):
-        marker = _read_marker(final)
+        marker = ci._read_marker(final)
         if not force and marker is not None and marker.get("lock_sha256") == lock.digest:
             say(f"radosgw {lock.version} is already installed at {final}")
             return final
@@ -281,7 +273,7 @@ def locate() -> Path:
     except RadosgwUnavailable:
         raise
     prefix = lock.prefix_dir()
-    if _read_marker(prefix) is not None and (prefix / "usr/bin/radosgw").exists():
+    if ci._read_marker(prefix) is not None and (prefix / "usr/bin/radosgw").exists():
         return prefix
     raise RadosgwUnavailable("no S3 test server (radosgw) is installed",
                              f"no installed prefix at {prefix}", INSTALL_HINT)
@@ -294,7 +286,7 @@ def status() -> dict[str, object]:
     except CryosleepError as e:
         out.update(available=False, error=e.to_json())
         return out
-    out.update(available=True, prefix=str(prefix), **(_read_marker(prefix) or {}))
+    out.update(available=True, prefix=str(prefix), **(ci._read_marker(prefix) or {}))
     return out
 
 
