@@ -5,8 +5,9 @@
 
 For each size it starts ddp_basic (gloo DDP, AdamW; with --gpu: tests/gpu/workloads/cuda_train.py, its
 extra state in device memory) with that much extra state per rank under
-`cryosleep run`, takes two keep-running snapshots and a stop snapshot, restores, and prints one markdown
-row per snapshot: pause, each phase, image bytes and the workers' resident memory. It uses its own
+`cryosleep run`, takes ``--keep`` keep-running snapshots (2) and a stop snapshot, restores, and prints one
+markdown row per snapshot: pause, each phase, image bytes and the workers' resident memory; for the restore,
+the time from `cryosleep restore` to the job's next step line. It uses its own
 CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
 """
 
@@ -30,12 +31,12 @@ GPU_WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 
 
 
-def wait_lines(log: Path, n: int, timeout: float = 600) -> None:
+def wait_lines(log: Path, n: int, timeout: float = 600, poll: float = 0.1) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if log.exists() and log.read_text().count("\n") >= n:
             return
-        time.sleep(0.1)
+        time.sleep(poll)
     raise SystemExit(f"{log} did not reach {n} lines")
 
 
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--store-parent", default="/tmp", help="where the store goes (a disk, or /dev/shm)")
     p.add_argument("--gpu", action="store_true", help="a CUDA job, its extra state on the GPU")
+    p.add_argument("--keep", type=int, default=2, help="keep-running snapshots before the stop snapshot")
     p.add_argument("--restore-gpu-map", default="", help="restore the stop snapshot with this --gpu-map")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cryosleep-bench-"))
@@ -64,7 +66,7 @@ def main() -> None:
             cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), *job)
             log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
             wait_lines(log, 5)
-            for kind in ("keep-running", "keep-running", "stop"):
+            for kind in ["keep-running"] * a.keep + ["stop"]:
                 res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []))
                 rows.append((mem, kind, res))
                 if kind != "stop":
@@ -72,9 +74,13 @@ def main() -> None:
                 time.sleep(1)
             time.sleep(2)
             gmap = ["--gpu-map", a.restore_gpu_map] if a.restore_gpu_map else []
+            lines = log.read_text().count("\n")
+            t0 = time.monotonic()
             restored = cli(env, "restore", "--detach", *gmap, str(rows[-1][2]["snapshot"]))
+            wait_lines(log, lines + 1, poll=0.005)
+            restored["first_step_s"] = round(time.monotonic() - t0, 2)
             rows.append((mem, "restore", restored))
-            wait_lines(log, log.read_text().count("\n") + 3)
+            wait_lines(log, lines + 3)
             subprocess.run(["pkill", "-9", "-f", "--", f"--name {name}"], check=False)
             st = json.loads((tmp / "home" / "jobs" / name / "job.json").read_text())["state"]
             os.kill(st["init_pid"], 9)
@@ -86,7 +92,7 @@ def main() -> None:
         for mem, kind, res in rows:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]
             if kind == "restore":
-                print(f"| {mem} | restore | - | {phases} | - | - |")
+                print(f"| {mem} | restore (first step after {res['first_step_s']} s) | - | {phases} | - | - |")
                 continue
             print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {phases} | {int(res['bytes']) / 2**20:.0f} MiB "  # type: ignore[call-overload]
                   f"| {int(res['rss_bytes']) / 2**20:.0f} MiB |")  # type: ignore[call-overload]

@@ -44,7 +44,9 @@ def identical(h: Harness, name: str, args: list[str], nproc: int) -> None:
 
 
 def test_one_gpu_three_keep_running_then_stop_and_restore(h: Harness) -> None:
-    args = ["--steps", "60", "--step-sleep", "0.05", "--mem-gib", "1"]
+    # long enough that the job still trains after three snapshots: each lets it run on while the image is
+    # checksummed (about 2 s here, 40 steps)
+    args = ["--steps", "300", "--step-sleep", "0.05", "--mem-gib", "1"]
     h.run("gpu1", WORKLOAD, args, nproc=1)
     for step in (15, 20, 25):
         h.wait_step("gpu1", step)

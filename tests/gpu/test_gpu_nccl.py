@@ -26,7 +26,7 @@ def h(cryo_home: Path) -> Harness:
 
 @pytest.mark.parametrize("extra", [[], ["--async-groups"]], ids=["ddp", "two-groups-async"])
 def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, extra: list[str]) -> None:
-    args = ["--steps", "60", "--step-sleep", "0.05", *extra]
+    args = ["--steps", "300", "--step-sleep", "0.05", *extra]  # outlasts the snapshots (see test_gpu_cycle)
     name = "nccl" + ("async" if extra else "")
     h.run(name, WORKLOAD, args, nproc=2)
     for step in (10, 15, 20):

@@ -3,6 +3,7 @@ training bit for bit, survive a crash of everything, and never harm the job when
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -188,6 +189,29 @@ def test_two_snapshots_at_once_and_snapshot_of_exited_job(h: Harness) -> None:
     assert_identical(h, "busy", script, args, [0, 1])
     res = h.cli("snapshot", "--json", "busy", check=False)
     assert res.returncode == 1 and "not running" in res.stdout, res.stdout
+
+
+def test_a_worker_that_exits_during_the_snapshot_is_named(h: Harness) -> None:
+    """A job ending (or a rank dying) mid-snapshot makes the snapshot fail with that as the reason, not with
+    whatever CRIU or CUDA reported about the vanished process."""
+    script = workload("ddp_basic")
+    h.run("ending", script, ["--steps", "100000", "--step-sleep", "0.05"])
+    h.wait_step("ending", 5)
+    env = dict(h.env, CRYOSLEEP_FAULT="capture-hang")
+    import subprocess
+    import sys
+
+    snap = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "snapshot", "--json", "ending",
+                             "--timeout", "6"], env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(2.0)  # the dump hook now hangs with the tree frozen
+    victim = h.pids("ending")[-1]
+    os.kill(victim, signal.SIGKILL)
+    out, _ = snap.communicate(timeout=60)
+    err = json.loads(out)
+    assert err["error"] == "capture_failed", err
+    assert "exited while the snapshot ran" in err["what"] and str(victim) in err["why"], err
+    assert h.wait_end("ending") != 0
+    assert h.ls() == []
 
 
 def test_corrupt_images_are_refused_before_anything_starts(h: Harness) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 from cryosleep.agent import proctree
 from cryosleep.errors import CryosleepError
@@ -89,8 +90,10 @@ class Driver:
     def _check(self, code: int, call: str, pid: int | None = None) -> None:
         if code != 0:
             who = f" for PID {pid}" if pid is not None else ""
+            extra = {"threads": thread_table(pid)} if pid is not None else {}
             raise CudaError(f"{call}{who} failed", self._error_text(code),
-                            "see `cryosleep check`: driver version, persistence mode, NCCL/IPC state", code=code)
+                            "see `cryosleep check`: driver version, persistence mode, NCCL/IPC state", code=code,
+                            **extra)
 
     def state(self, pid: int) -> ProcState:
         st = ctypes.c_int(-1)
@@ -230,6 +233,18 @@ def restore_checked(pid: int, pairs: Sequence[tuple[bytes, bytes]] = ()) -> None
     drv.restore(pid, pairs)
 
 
+def thread_table(pid: int) -> dict[int, str]:
+    """``{tid: "name:state"}`` for every thread of ``pid`` (for error reports: which threads were there)."""
+    out = {}
+    for tid, st in sorted(_threads(pid)):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            name = "?"
+        out[tid] = f"{name}:{st}"
+    return out
+
+
 def _threads(pid: int) -> frozenset[tuple[int, str]]:
     out = set()
     try:
@@ -244,10 +259,10 @@ def _threads(pid: int) -> frozenset[tuple[int, str]]:
 def settle_threads(pids: Sequence[int], quiet_s: float = 0.02, limit_s: float = 5.0) -> bool:
     """Wait until the threads of ``pids`` stop changing (none exiting) for ``quiet_s``.
 
-    The driver's checkpoint call returns while threads it used in the target process may still be
-    exiting; CRIU seizing the process at that moment fails ("Zombies with threads are not supported",
-    "Unable to detach ... No such process"), as seen on the H200 machines; whether this wait removes every
-    such failure is not proven yet (docs/gpu-acceptance.md). Returns False if the threads were still
+    Added when CRIU's seize failed on vanishing threads ("Zombies with threads are not supported") on the
+    H200 machines. Those threads turned out to be jobs ending during the snapshot (docs/gpu-acceptance.md);
+    the driver's calls alone were seen to start or end no thread (bench/cuda_cycle.py). The wait (20 ms when
+    nothing moves) stays until a GPU run without it confirms that. Returns False if the threads were still
     changing after ``limit_s`` (the dump then goes ahead and reports what it finds).
     """
     end = time.monotonic() + limit_s

@@ -132,6 +132,7 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
     committed = False
     dump_rid: str | None = None
     node_rank = target.spec.node_rank
+    tree: list[int] = []
     try:
         with phases.phase("preflight"):
             problems = [c for c in eligibility.process_checks(target.init_pid) if not c.ok and c.fatal]
@@ -221,6 +222,13 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
         # The one rollback path. Order matters: the tasks must run (CRIU released) and their CUDA work be
         # back before the interceptors can rebuild communicators.
         err = _as_failure(e, "the snapshot failed")
+        ended = [p for p in tree if proctree.state(p) in ("Z", "X", "gone")]
+        if ended:  # the job was ending: what failed is a symptom of that, not the thing to report
+            err = CaptureFailed(
+                f"processes of job {target.spec.name!r} exited while the snapshot ran",
+                f"its process(es) {', '.join(map(str, ended))} exited during the snapshot, which then failed "
+                f"({err.what}: {err.why})",
+                "an ending job cannot be captured; its last snapshot is still valid", **err.details)
         if held:
             criu_calls.release(criu, target.init_pid, dump_rid)
         if gpus.locked or gpus.checkpointed:
