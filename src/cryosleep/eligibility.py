@@ -149,6 +149,26 @@ def system_checks() -> list[Check]:
 
 
 GPU_DEVICES = ("/dev/nvidia", "/dev/dri")
+UVM_DEVICE = "/dev/nvidia-uvm"
+UVM_DRIVER_MAPPING = 2 << 20  # the one mapping of /dev/nvidia-uvm every CUDA process has (H200, driver 580)
+
+
+def managed_memory_bytes(maps: str) -> int:
+    """Bytes of CUDA managed memory (cudaMallocManaged) in a process, from its /proc/PID/maps text.
+
+    Seen on an H200 with driver 580 (docs/gpu-acceptance.md): every CUDA process maps /dev/nvidia-uvm once,
+    2 MiB; a managed allocation adds a mapping of /dev/nvidia-uvm of its own size. The driver's checkpoint
+    refuses such a process (CUDA_ERROR_NOT_SUPPORTED, the process stays locked and is unlocked by the
+    rollback), so `check` names it first. A managed allocation of exactly 2 MiB is not told apart here;
+    the driver still refuses it."""
+    total = 0
+    for line in maps.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].strip() == UVM_DEVICE:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if hi - lo != UVM_DRIVER_MAPPING:
+                total += hi - lo
+    return total
 
 
 def _gpu_process(pid: int, who: str) -> list[Check]:
@@ -165,6 +185,14 @@ def _gpu_process(pid: int, who: str) -> list[Check]:
         out.append(Check("nccl", False, f"{who} has NCCL loaded without Cryosleep's interceptor: if it holds live "
                                         "communicators, the CUDA checkpoint fails and the snapshot is rolled back "
                                         "(FACTS.md)", fatal=False))
+    try:
+        managed = managed_memory_bytes(Path(f"/proc/{pid}/maps").read_text())
+    except OSError:
+        managed = 0
+    if managed:
+        out.append(Check("managed memory", False, f"{who} holds {managed / 2**20:.0f} MiB of CUDA managed memory "
+                                                  "(cudaMallocManaged), which the CUDA checkpoint refuses "
+                                                  "(CUDA_ERROR_NOT_SUPPORTED): allocate with cudaMalloc instead"))
     env = proctree.environ(pid)
     if nccl and env.get("NCCL_NVLS_ENABLE", "") != "0":
         out.append(Check("nvls", False, f"{who}: NCCL_NVLS_ENABLE is not 0 (NVLink multicast cannot be captured)"))

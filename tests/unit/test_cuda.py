@@ -57,3 +57,9 @@ def test_settle_threads_waits_for_exiting_threads() -> None:
     assert cuda.settle_threads([os.getpid()], quiet_s=0.05)
     assert time.monotonic() - start >= 0.3  # it waited for the churn to end
     worker.join()
+
+
+def test_the_refusals_seen_on_the_h200_get_their_own_hint() -> None:
+    assert "managed memory" in cuda._hint("cuCheckpointProcessCheckpoint", cuda.CUDA_ERROR_NOT_SUPPORTED)
+    assert "CUDA IPC" in cuda._hint("cuCheckpointProcessRestore", cuda.CUDA_ERROR_INVALID_VALUE)
+    assert "cryosleep check" in cuda._hint("cuCheckpointProcessLock", 2)

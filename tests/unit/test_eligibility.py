@@ -85,3 +85,20 @@ def test_gpu_report_refuses_what_the_checkpoint_cannot_do() -> None:
     old_map = eligibility.gpu_checks_from_smi("NVIDIA H200, GPU-1, 560.35.03, Enabled, [N/A]\n", {})
     assert "570 or later" in next(c.detail for c in old_map if c.name == "driver")
     assert eligibility.gpu_checks_from_smi("", {})[0].detail.startswith("none")
+
+
+PLAIN_MAPS = """\
+7f0000000000-7f0000200000 rw-s 00000000 00:05 1033   /dev/nvidia-uvm
+7f1000000000-7f1000001000 rw-s 00000000 00:05 1030   /dev/nvidiactl
+"""
+
+
+def test_managed_memory_is_the_uvm_mappings_beyond_the_drivers_own() -> None:
+    # the driver's own 2 MiB mapping (every CUDA process, H200 / driver 580) is not managed memory
+    assert eligibility.managed_memory_bytes(PLAIN_MAPS) == 0
+    managed = PLAIN_MAPS + "7f2000000000-7f2004000000 rw-s 00000000 00:05 1033   /dev/nvidia-uvm\n"
+    assert eligibility.managed_memory_bytes(managed) == 64 << 20
+    assert eligibility.managed_memory_bytes("") == 0
+    # a file merely named like the device, or another device, does not count
+    assert eligibility.managed_memory_bytes(
+        "7f3000000000-7f3004000000 r--p 00000000 08:01 77   /tmp/dev/nvidia-uvm\n") == 0

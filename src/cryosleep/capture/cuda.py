@@ -91,9 +91,7 @@ class Driver:
         if code != 0:
             who = f" for PID {pid}" if pid is not None else ""
             extra = {"threads": thread_table(pid)} if pid is not None else {}
-            raise CudaError(f"{call}{who} failed", self._error_text(code),
-                            "see `cryosleep check`: driver version, persistence mode, NCCL/IPC state", code=code,
-                            **extra)
+            raise CudaError(f"{call}{who} failed", self._error_text(code), _hint(call, code), code=code, **extra)
 
     def state(self, pid: int) -> ProcState:
         st = ctypes.c_int(-1)
@@ -138,6 +136,22 @@ class Driver:
         v = ctypes.c_int(0)
         self._check(self.lib.cuDriverGetVersion(ctypes.byref(v)), "cuDriverGetVersion")
         return v.value
+
+
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_NOT_SUPPORTED = 801
+
+
+def _hint(call: str, code: int) -> str:
+    """What to do, for the refusals seen on the H200 machines (docs/gpu-acceptance.md)."""
+    if call == "cuCheckpointProcessCheckpoint" and code == CUDA_ERROR_NOT_SUPPORTED:
+        return ("the driver cannot checkpoint this process: CUDA managed memory (cudaMallocManaged) or live NCCL "
+                "communicators do this; `cryosleep check --job NAME` names what it finds")
+    if call == "cuCheckpointProcessRestore" and code == CUDA_ERROR_INVALID_VALUE:
+        return ("the driver could not bring this process's GPU memory back: a process that imported another's "
+                "GPU memory (CUDA IPC, e.g. CUDA tensors shared through torch.multiprocessing) fails so; such "
+                "jobs cannot be captured, and this one must be restored from an earlier snapshot")
+    return "see `cryosleep check`: driver version, persistence mode, NCCL/IPC state"
 
 
 @cache
