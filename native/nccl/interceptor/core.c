@@ -84,6 +84,11 @@ void cs_set_flag(uint32_t flag) {
   if (cs_ctl) __atomic_or_fetch(&cs_ctl->flags, flag, __ATOMIC_RELAXED);
 }
 
+void cs_clear_flag(uint32_t flag) {
+  __atomic_and_fetch(&cs_flags, ~flag, __ATOMIC_RELAXED);
+  if (cs_ctl) __atomic_and_fetch(&cs_ctl->flags, ~flag, __ATOMIC_RELAXED);
+}
+
 /* ---- real NCCL ----------------------------------------------------------------------------------
  * RTLD_NEXT finds NCCL when it is in the global scope (linked by libtorch_cuda, or dlopen'ed
  * RTLD_GLOBAL). Otherwise the already loaded libnccl.so.2 is opened by name (or

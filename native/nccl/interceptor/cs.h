@@ -102,6 +102,7 @@ void cs_scan_threads(int* busy, int* in_group);
 void cs_log(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 ncclResult_t cs_missing(const char* name);
 void cs_set_flag(uint32_t flag);
+void cs_clear_flag(uint32_t flag);
 void cs_slot_publish(struct cs_vcomm* v);
 void cs_publish_all(uint64_t last_cmd);
 double cs_timeout_s(void);

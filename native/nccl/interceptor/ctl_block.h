@@ -32,7 +32,8 @@ enum cs_state {
   CS_ST_ERROR = 6        /* the command failed; error[] says why (see the doc for what is left) */
 };
 
-/* Features the agent's check refuses to snapshot (flags, sticky: once set they stay). */
+/* Features the agent's check refuses to snapshot (flags, sticky: once set they stay; except
+ * CS_F_CUDA_IPC, which is set only while a CUDA IPC import is open). */
 enum cs_flag {
   CS_F_INIT_ALL = 1u << 0,       /* ncclCommInitAll: several devices in one process */
   CS_F_SHRINK = 1u << 1,         /* ncclCommShrink: not replayed */
@@ -42,7 +43,8 @@ enum cs_flag {
   CS_F_TOO_MANY_REGS = 1u << 5,  /* buffer registrations beyond the table: not re-registered */
   CS_F_TOO_MANY_SPLITS = 1u << 6,/* split history beyond the table: not replayable */
   CS_F_NO_REAL_NCCL = 1u << 7,   /* the real NCCL could not be resolved */
-  CS_F_UNTRACKED_COMM = 1u << 8  /* a communicator created outside the table (InitAll, Shrink, overflow) */
+  CS_F_UNTRACKED_COMM = 1u << 8, /* a communicator created outside the table (InitAll, Shrink, overflow) */
+  CS_F_CUDA_IPC = 1u << 9        /* another process's GPU memory is open here (cudaIpcOpenMemHandle) */
 };
 
 /* Per-communicator flags (slot.flags, I). */

@@ -102,6 +102,8 @@ FLAG_REASONS: dict[int, str] = {
     0x040: "more than 256 communicator splits: they cannot all be replayed",
     0x080: "the interceptor could not find the real NCCL library",
     0x100: "a communicator exists that the interceptor does not track",
+    0x200: "GPU memory of another process is open (CUDA IPC, e.g. CUDA tensors shared through "
+           "torch.multiprocessing): the driver checkpoints such a process but cannot restore it",
 }
 
 # Slot `flags` bits (informational).
