@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,3 +38,14 @@ def require_criu() -> None:
         criu_install.locate(refresh=True)
     except Exception as e:  # pragma: no cover - environment problem
         pytest.fail(f"CRIU is not available ({e}); run `make setup`")
+
+
+def wait_exit(pid: int, timeout: float = 30) -> int:
+    """Reap our child ``pid`` (polling, so a hang fails the test) and return its exit code."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got == pid:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} did not exit in {timeout} s")

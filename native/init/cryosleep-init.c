@@ -1,12 +1,17 @@
 /*
  * cryosleep-init: PID 1 of a Cryosleep sandbox.
  *
- *   cryosleep-init --spawn [--mount-ns] -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]
+ *   cryosleep-init --spawn [--mount-ns] [--net-ns --wait-fd FD] -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]
  *
  * With --spawn the program unshares a new PID namespace, forks the init into it and prints the init's
  * host PID on stdout before exiting, so that the init is re-parented to the caller (which must be a
  * child subreaper, PR_SET_CHILD_SUBREAPER). A restored sandbox reaches the caller the same way (CRIU
  * restores it detached), so the agent supervises fresh and restored sandboxes alike.
+ *
+ * With --net-ns the sandbox also gets a network namespace of its own (only a downed loopback in it). The
+ * caller then configures it from outside (moves a veth end in by the init's PID, sets its job address) and
+ * says it is done by writing one byte to the pipe whose read end is FD (--wait-fd); the init starts no
+ * worker before that byte. If the pipe closes without it (the caller failed or died), the init exits 127.
  *
  * The init calls setsid() (CRIU refuses a tree whose session leader is outside its PID namespace),
  * starts NPROC workers with LOCAL_RANK=i, RANK=RANK_BASE+i (and torchrun's ROLE_RANK; every "{rank}" in
@@ -52,7 +57,8 @@ static void die(const char *what) {
 }
 
 static void usage(void) {
-	fprintf(stderr, "usage: cryosleep-init [--spawn [--mount-ns]] -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]\n");
+	fprintf(stderr, "usage: cryosleep-init [--spawn [--mount-ns] [--net-ns --wait-fd FD]] -n NPROC [-b RANK_BASE] "
+			"-l LOG_DIR -- PROGRAM [ARGS...]\n");
 	exit(2);
 }
 
@@ -213,7 +219,7 @@ static int run_init(int nproc, int rank_base, const char *log_dir, char **argv) 
 }
 
 int main(int argc, char **argv) {
-	int spawn = 0, mount_ns = 0, nproc = -1, rank_base = 0, i;
+	int spawn = 0, mount_ns = 0, net_ns = 0, wait_fd = -1, nproc = -1, rank_base = 0, i;
 	const char *log_dir = NULL;
 
 	for (i = 1; i < argc; i++) {
@@ -221,6 +227,10 @@ int main(int argc, char **argv) {
 			spawn = 1;
 		else if (!strcmp(argv[i], "--mount-ns"))
 			mount_ns = 1;
+		else if (!strcmp(argv[i], "--net-ns"))
+			net_ns = 1;
+		else if (!strcmp(argv[i], "--wait-fd") && i + 1 < argc)
+			wait_fd = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "-n") && i + 1 < argc)
 			nproc = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "-b") && i + 1 < argc)
@@ -235,9 +245,11 @@ int main(int argc, char **argv) {
 	}
 	if (nproc < 1 || nproc > MAX_WORKERS || !log_dir || i >= argc)
 		usage();
+	if ((net_ns && (!spawn || wait_fd < 0)) || (!net_ns && wait_fd >= 0))
+		usage();
 
 	if (spawn) {
-		if (unshare(CLONE_NEWPID | (mount_ns ? CLONE_NEWNS : 0)) < 0)
+		if (unshare(CLONE_NEWPID | (mount_ns ? CLONE_NEWNS : 0) | (net_ns ? CLONE_NEWNET : 0)) < 0)
 			die("unshare(CLONE_NEWPID)");
 		pid_t pid = fork();
 		if (pid < 0)
@@ -258,10 +270,8 @@ int main(int argc, char **argv) {
 			if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
 				die("mount /proc");
 		}
-		/* Nothing opened outside the namespace is kept: CRIU could not place its mount. */
-		for (int fd = 3; fd < 1024; fd++)
-			close(fd);
-		/* In the new namespace: stdout was the spawner's pipe; nothing of it is kept. */
+		/* In the new namespace: stdout was the spawner's pipe; nothing of it is kept (the caller reads
+		 * it to its end, so it must be closed before waiting for the caller below). */
 		int null = open("/dev/null", O_RDWR);
 		if (null < 0)
 			die("/dev/null");
@@ -270,6 +280,19 @@ int main(int argc, char **argv) {
 		dup2(null, 2);
 		if (null > 2)
 			close(null);
+		if (wait_fd >= 0) {
+			/* The caller is configuring our network namespace: wait for its one byte. */
+			char go;
+			ssize_t got;
+			do
+				got = read(wait_fd, &go, 1);
+			while (got < 0 && errno == EINTR);
+			if (got != 1)
+				_exit(127);
+		}
+		/* Nothing opened outside the namespace is kept: CRIU could not place its mount. */
+		for (int fd = 3; fd < 1024; fd++)
+			close(fd);
 		if (mount_ns) {
 			/*
 			 * Execute ourselves again, so that even our own binary is mapped through the new mount
@@ -280,9 +303,18 @@ int main(int argc, char **argv) {
 			if (!args)
 				die("calloc");
 			args[n++] = argv[0];
-			for (int k = 1; k < argc; k++)
-				if (strcmp(argv[k], "--spawn") && strcmp(argv[k], "--mount-ns"))
+			for (int k = 1; k < argc; k++) {
+				if (k >= i) { /* the program and its arguments, as they are */
 					args[n++] = argv[k];
+					continue;
+				}
+				if (!strcmp(argv[k], "--wait-fd")) {
+					k++; /* and its value */
+					continue;
+				}
+				if (strcmp(argv[k], "--spawn") && strcmp(argv[k], "--mount-ns") && strcmp(argv[k], "--net-ns"))
+					args[n++] = argv[k];
+			}
 			/* By path, not through the /proc/self/exe magic link, which would keep the host's mount. */
 			char self[4096];
 			ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);

@@ -13,6 +13,7 @@ import pytest
 from cryosleep import paths
 from cryosleep.agent import proctree
 from cryosleep.agent.agent import become_subreaper
+from tests.conftest import wait_exit
 
 INIT = paths.native_dir() / "cryosleep-init"
 
@@ -24,14 +25,6 @@ def spawn(tmp_path: Path, n: int, code: str, env: dict[str, str] | None = None) 
     return int(res.stdout)
 
 
-def wait(pid: int, timeout: float = 30) -> int:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got, status = os.waitpid(pid, os.WNOHANG)
-        if got == pid:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    raise AssertionError("init did not exit")
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +38,7 @@ def test_workers_get_ranks_logs_and_their_own_pid_namespace(tmp_path: Path) -> N
     code = "import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], os.getpid(), os.getsid(0))"
     init = spawn(tmp_path, 2, code)
     assert proctree.ns_pid(init) == 1
-    assert wait(init) == 0
+    assert wait_exit(init) == 0
     for local, rank in enumerate((4, 5)):
         r, lr, pid, sid = (tmp_path / f"rank-{rank}.log").read_text().split()
         assert (int(r), int(lr)) == (rank, local)
@@ -59,7 +52,7 @@ def test_a_failing_worker_ends_the_others_and_sets_the_exit_code(tmp_path: Path)
             "time.sleep(60)\n")
     init = spawn(tmp_path, 2, code)
     start = time.monotonic()
-    assert wait(init) == 7
+    assert wait_exit(init) == 7
     assert time.monotonic() - start < 20
     assert (tmp_path / "rank-5.exit").read_text() == "exit 7\n"
     assert (tmp_path / "rank-4.exit").read_text() == "signal 15\n"
@@ -72,7 +65,7 @@ def test_sigterm_is_forwarded(tmp_path: Path) -> None:
             break
         time.sleep(0.02)
     os.kill(init, 15)
-    assert wait(init) == 128 + 15
+    assert wait_exit(init) == 128 + 15
 
 
 def test_bad_usage() -> None:

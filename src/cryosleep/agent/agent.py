@@ -3,7 +3,9 @@
 One agent per job per node. It is a child subreaper, so the sandbox's init (started through
 ``cryosleep-init --spawn`` or restored detached by CRIU) becomes its child either way. It streams the
 workers' output, prefixed by rank, answers its control socket (snapshot, status), forwards SIGINT/SIGTERM
-to the workers, and exits with the job's exit code (``EXIT_SUSPENDED`` after a stop snapshot).
+to the workers, and exits with the job's exit code (``EXIT_SUSPENDED`` after a stop snapshot). Its triggers
+(``triggers/runner.py``: SIGTERM with --grace, SIGUSR1, preemption notices, periodic snapshots, metrics)
+snapshot through ``Agent.snapshot`` like the control socket does.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from cryosleep import paths
+from cryosleep import metrics, paths
 from cryosleep.agent import proctree
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.errors import Busy, CryosleepError, NotFound, UsageError
+from cryosleep.net import sandbox as net_sandbox
+from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
+from cryosleep.triggers.runner import TriggerRunner
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -69,6 +74,8 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None) -> dict[str, str]:
         "USE_LIBUV": "0",
         "CRYOSLEEP_JOB": spec.name,
     })
+    if spec.net:  # the job network: the sandbox's only interface besides lo (docs/network.md)
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = str(spec.net.get("ifname", "eth0"))
     if spec.nproc_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
     if spec.interceptor and ctl_dir is not None:
@@ -141,6 +148,8 @@ class LogTail:
 
 
 class Agent:
+    net_peers: tuple[str, ...] = ()  # the job network's overlay peers (other hosts' addresses), if it spans hosts
+
     def __init__(self, job: JobDir, spec: JobSpec, *, out: TextIO | None) -> None:
         self.job = job
         self.spec = spec
@@ -157,6 +166,8 @@ class Agent:
         self._signals = 0
         self._handlers: list[threading.Thread] = []
         self.restore_phases: dict[str, float] = {}
+        self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
+        self.triggers: TriggerRunner | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -189,12 +200,26 @@ class Agent:
         self._save()
         cmd = [str(init), "--spawn", "--mount-ns", "-n", str(self.spec.nproc_per_node), "-b", str(self.spec.ranks[0]),
                "-l", str(self.job.logs), "--", *self.spec.program]
+        go_r, go_w = os.pipe() if self.spec.net else (-1, -1)  # the job network: init waits until it is set up
+        if self.spec.net:
+            cmd[2:2] = ["--net-ns", "--wait-fd", str(go_r)]
         try:
-            res = subprocess.run(cmd, env=env, cwd=self.spec.cwd, capture_output=True, text=True, check=True)
-        except subprocess.CalledProcessError as e:
-            raise CryosleepError("the job's sandbox could not be started", e.stderr.strip(),
-                                 "run `cryosleep check` to see what this machine lacks") from e
-        self.state.init_pid = int(res.stdout.strip())
+            try:
+                res = subprocess.run(cmd, env=env, cwd=self.spec.cwd, capture_output=True, text=True, check=True,
+                                     pass_fds=(go_r,) if self.spec.net else ())
+            except subprocess.CalledProcessError as e:
+                raise CryosleepError("the job's sandbox could not be started", e.stderr.strip(),
+                                     "run `cryosleep check` to see what this machine lacks") from e
+            self.state.init_pid = int(res.stdout.strip())
+            if self.spec.net:
+                os.close(go_r)
+                go_r = -1
+                net_sandbox.attach(self.spec.net, self.state.init_pid, self.net_peers)
+                os.write(go_w, b"1")
+        finally:
+            for fd in (go_r, go_w):  # without its byte, the init exits (127) and nothing runs half-networked
+                if fd >= 0:
+                    os.close(fd)
         self.state.state = "running"
         self._save()
         self.tail = LogTail(self.job, self.spec.ranks, self.out)
@@ -208,7 +233,8 @@ class Agent:
             self.lock_fd = self.job.take_lock()
 
         restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
-                                           progress=progress, before_criu=lock, gpu_map=gpu_map)
+                                           progress=progress, before_criu=lock, gpu_map=gpu_map,
+                                           net_peers=self.net_peers)
         self.spec = restored.spec
         self.runtime = {k: v for k, v in restored.manifest.host.items() if k in ("python", "torch")}
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
@@ -221,6 +247,8 @@ class Agent:
     # -- supervising ------------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.triggers is not None and self.triggers.on_signal(signum):  # a stop snapshot instead
+            return
         self._signals += 1
         sig = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
         try:
@@ -232,6 +260,9 @@ class Agent:
         """Supervise until the job ends; returns its exit code (EXIT_SUSPENDED after a stop snapshot)."""
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, self._on_signal)
+        if self.triggers is not None:
+            signal.signal(signal.SIGUSR1, self._on_signal)
+            self.triggers.start()
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         init = self.state.init_pid
         status = 0
@@ -245,15 +276,22 @@ class Agent:
                 time.sleep(0.05)
         finally:
             self._stopping = True
+            if self.triggers is not None:
+                self.triggers.close()
             if self._server is not None:
                 self._server.close()
             self.job.socket.unlink(missing_ok=True)
         if self.tail:
             self.tail.poll(final=True)
+        if self.spec.net:  # the sandbox's veth went with it; the job's bridge goes when no node uses it here
+            net_sandbox.release(self.spec.net)
         code = os.waitstatus_to_exitcode(status)
         code = 128 - code if code < 0 else code
         for t in list(self._handlers):  # a stop snapshot finishing its bookkeeping and its answer
             t.join(timeout=120)
+        if self.persister is not None and self.persister.pending():  # uploads of earlier snapshots finish
+            self._log(f"waiting for {self.persister.pending()} snapshot upload(s) to {self.persister.url}")
+            self.persister.close()
         st = self.state
         st.ended_at = time.time()
         if self.suspended_in:
@@ -310,19 +348,34 @@ class Agent:
                 except OSError:
                     pass
 
+            op = None
             try:
                 req = json.loads(f.readline() or b"{}")
                 op = req.get("op")
                 if op == "status":
                     send({"result": {"spec": self.spec.to_json(), "state": self.state.to_json()}})
                 elif op == "snapshot":
-                    send({"result": self.snapshot(req, send)})
+                    result = self.snapshot(req, send)
+                    metrics.record_snapshot_result(self.spec.name, result, "manual")
+                    send({"result": result})
                 else:
                     raise UsageError(f"unknown control request {op!r}", "", "upgrade the cryosleep CLI")
             except CryosleepError as e:
+                if op == "snapshot":
+                    metrics.record_failure(self.spec.name, e.kind)
                 send({"error": e.to_json()})
             except Exception as e:  # never let a bad request kill the agent
                 send({"error": CryosleepError(f"the agent failed: {type(e).__name__}: {e}").to_json()})
+
+    def _persisted(self, rec: store_persist.Record) -> None:
+        """A snapshot's upload ended (background or stop): its numbers go to the metrics."""
+        job = self.spec.name
+        if rec.state == "persisted":
+            metrics.record_upload(job, rec.bytes_sent, rec.upload_s)
+            metrics.record_dedup(job, rec.bytes_total, rec.bytes_total - rec.bytes_skipped)
+            metrics.record_verified(job)
+        else:
+            metrics.record_failure(job, "persist_failed")
 
     def snapshot(self, req: dict[str, Any], send: Any) -> dict[str, Any]:
         if not self.snap_lock.acquire(blocking=False):
@@ -352,6 +405,12 @@ class Agent:
             target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
                                              restored_from=self.state.restored_from, end=end, ctl=ctl,
                                              log=self._log if self.out is None else None)
+            if self.persister is None and not rehearse:
+                self.persister = store_persist.for_job(self.spec.name, self.spec.persist,
+                                                       self._log if self.out is None else None)
+                if self.persister is not None:
+                    self.persister.on_done = self._persisted
+            target.persist = store_persist.stop_hook(self.persister, store, send) if stop else None
             if rehearse:
                 return capture_snapshot.rehearse(target, timeout=float(req.get("timeout") or 600.0),
                                                  progress=progress)
@@ -360,6 +419,7 @@ class Agent:
                 fault=req.get("fault") or os.environ.get("CRYOSLEEP_FAULT") or None,
             )
             self.state.last_snapshot = manifest.id
+            persisted = store_persist.after_snapshot(self.persister, store, manifest)
             return {
                 "snapshot": manifest.id,
                 "job": self.spec.name,
@@ -369,6 +429,7 @@ class Agent:
                 "rss_bytes": sum(n.rss_bytes for n in manifest.nodes),
                 "phases": manifest.phases,
                 "store": str(store.root),
+                "persist": persisted,
             }
         finally:
             self.state.snapshot_in_progress = None

@@ -61,6 +61,12 @@ class JobSpec:
     master_port: int = 29500
     run_id: str = ""
     interceptor: bool = True  # preload the NCCL interceptor into the workers (`cryosleep run --no-interceptor`)
+    # The job network (cryosleep.net.JobNet as JSON: subnet, this node's address, bridge, VNI, ifname);
+    # empty: the sandbox shares the host's network (`cryosleep run --net job` sets it; docs/network.md).
+    net: dict[str, Any] = field(default_factory=dict)
+    # Where the job's snapshots persist off the machine (`cryosleep run --store URL`): {"url", "key_file",
+    # "local_keep"} (cryosleep.store.persist.RemoteConfig); empty: the local store only.
+    persist: dict[str, Any] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

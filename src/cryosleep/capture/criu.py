@@ -24,6 +24,7 @@ from cryosleep import paths
 from cryosleep.agent import proctree
 from cryosleep.capture.criu_install import Criu
 from cryosleep.errors import CaptureFailed, RestoreFailed
+from cryosleep.net import host as net_host
 
 RUN_ID_RE = re.compile(r"CRIU run id = ([0-9a-f-]+)")
 # CRIU prints this on every run here; it is harmless (FACTS.md).
@@ -129,6 +130,25 @@ def _external_args(mounts: list[str]) -> list[str]:
     return args
 
 
+def veth_externals(root_pid: int) -> list[str]:
+    """``--external veth[IFNAME]:HOST_END`` for each veth of a sandbox with its own network namespace (the
+    job network, docs/network.md): CRIU dumps the namespace, and records the pair's host end as external."""
+    try:
+        veths = net_host.Host().sandbox_veths(root_pid)
+    except net_host.NetError as e:
+        raise CaptureFailed("the sandbox's network interfaces could not be read", f"{e.what}: {e.why}",
+                            e.hint) from None
+    lost = [inside for inside, end in veths if end is None]
+    if lost:
+        raise CaptureFailed(f"the sandbox's interface {lost[0]} has no host end in this network namespace",
+                            "CRIU can only dump a veth whose peer it can name",
+                            "take the snapshot from the agent's own host network namespace")
+    args: list[str] = []
+    for inside, end in veths:
+        args += ["--external", f"veth[{inside}]:{end}"]
+    return args
+
+
 def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: float,
          extra_env: dict[str, str] | None = None, mounts: list[str] | None = None) -> DumpResult:
     """Dump the tree of ``root_pid`` into ``node_dir/criu``; stage its files into ``node_dir/files``.
@@ -149,7 +169,7 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
         # copied into the image as CRIU "ghost" files, up to this size each.
         "--ghost-limit", str(GHOST_LIMIT),
         "--leave-running" if leave == "running" else "--leave-stopped",
-        "--action-script", script, *_external_args(mounts or []),
+        "--action-script", script, *_external_args(mounts or []), *veth_externals(root_pid),
     )
     full_env = dict(os.environ, **env, **(extra_env or {}))
     start = time.monotonic()
@@ -272,8 +292,12 @@ def release(criu: Criu, root_pid: int, rid: str | None, repair: bool = False) ->
             pass
 
 
-def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts: list[str] | None = None) -> int:
-    """Restore a sandbox detached (it is re-parented to the calling subreaper); return its init's PID."""
+def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts: list[str] | None = None,
+            veths: list[tuple[str, str, str]] | None = None) -> int:
+    """Restore a sandbox detached (it is re-parented to the calling subreaper); return its init's PID.
+
+    ``veths``: (name inside, new host end, bridge) for a sandbox with its own network namespace: CRIU
+    recreates each pair with the new host end as a port of the bridge (the caller removes it on failure)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     pidfile = work_dir / "restore.pid"
     pidfile.unlink(missing_ok=True)
@@ -282,6 +306,7 @@ def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts:
         "restore", "-D", str(images), "-W", str(work_dir), "-o", "restore.log", "-v4",
         "--tcp-established", "--file-locks", "--restore-detached", "--pidfile", str(pidfile),
         *(["--root", "/", *_external_args(mounts)] if mounts else []),
+        *[a for inside, end, bridge in (veths or []) for a in ("--external", f"veth[{inside}]:{end}@{bridge}")],
     )
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)

@@ -3,6 +3,7 @@
     verify    every image file re-read and checked against the manifest (nothing has started yet)
     compat    this machine can take the image: kernel, CRIU, the job name free, paths present
     files     the job's files brought back to their state at the snapshot
+    network   (job network) the job's bridge and overlay here, a fresh host end for the sandbox's veth
     restore   CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash)
     cuda-restore, cuda-unlock
               (GPU jobs) device memory back, onto other GPUs through a UUID map when they differ
@@ -20,7 +21,7 @@ import os
 import platform
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_install, cuda, files
 from cryosleep.cut.driver import Driver
 from cryosleep.errors import NotEligible, RestoreFailed, StoreCorrupt
+from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store.local import LocalStore
 from cryosleep.store.manifest import Manifest
 from cryosleep.timing import Phases
@@ -102,7 +104,7 @@ def gpu_pairs(captured: list[dict[str, Any]], here: list[cuda.Gpu], gpu_map: lis
 
 def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600.0,
             progress: Progress | None = None, before_criu: Callable[[Manifest], None] | None = None,
-            gpu_map: list[int] | None = None) -> Restored:
+            gpu_map: list[int] | None = None, net_peers: Sequence[str] = ()) -> Restored:
     phases = Phases(progress)
     criu = criu_install.locate()
     with phases.phase("verify"):
@@ -136,13 +138,25 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
             before_criu(manifest)
     with phases.phase("files"):
         files.restore(node.staged, node_dir / "files")
+    veths: list[tuple[str, str, str]] = []
+    if spec.net:  # the job network: its bridge (and overlay) here; CRIU recreates the veth (docs/network.md)
+        with phases.phase("network"):
+            veths = net_sandbox.prepare_restore(spec.net, net_peers)
     with phases.phase("restore"):
         try:
-            init_pid = criu_calls.restore(criu, node_dir / "criu", work_dir, timeout=timeout, mounts=node.mounts)
+            init_pid = criu_calls.restore(criu, node_dir / "criu", work_dir, timeout=timeout, mounts=node.mounts,
+                                          veths=veths)
         except RestoreFailed:
+            net_sandbox.undo_restore(spec.net, veths)
             raise
         except OSError as e:
+            net_sandbox.undo_restore(spec.net, veths)
             raise RestoreFailed("CRIU could not be started", str(e), "run `cryosleep check`") from e
+    try:
+        net_sandbox.after_restore(veths)
+    except BaseException:
+        _kill_tree(init_pid)
+        raise
     try:
         if node.gpu.get("cuda_pids"):
             gpus = cuda.GpuSet(host_pids(init_pid, node.gpu["cuda_pids"]))

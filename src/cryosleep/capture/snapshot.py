@@ -17,6 +17,8 @@
     checksum   size and SHA-256 of every image file (the job is already running again)
     commit     manifest written, snapshot published atomically in the store
     verify     (stop) every file re-read and checked against the manifest
+    persist    (stop, when the job has a remote store) every chunk stored and re-read from it, inside the
+               deadline (keep-running snapshots persist in the background, after take() returns)
     end        (stop) the held job is killed; it lives on only in the snapshot
 
 Rollback, whatever failed: a held job is released (network lock removed, tasks continued), CUDA processes
@@ -66,6 +68,9 @@ class Target:
     runtime: dict[str, Any] = field(default_factory=dict)
     restored_from: str | None = None
     end: Callable[[str], None] | None = None  # kills the held job once the stop snapshot is safe
+    # Stores a committed, verified stop snapshot remotely and verifies it there, by the deadline (monotonic);
+    # raises when it cannot (the rollback then resumes the job). None: the local store is where it lives.
+    persist: Callable[[Manifest, float], None] | None = None
     cuda_lock_timeout: float = 10.0
     ctl: dict[int, Path] = field(default_factory=dict)  # job rank -> its NCCL control file (JobDir.ctl_path)
     log: Callable[[str], None] | None = None  # the agent's log, for what the drain does round by round
@@ -205,6 +210,9 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
                 if bad:
                     raise CaptureFailed("the stored image failed verification", "; ".join(bad[:5]),
                                         "check the store's disk; the job was resumed")
+            if target.persist is not None:
+                with phases.phase("persist"):
+                    target.persist(manifest, deadline)
             with phases.phase("end"):
                 if target.end:
                     target.end(manifest.id)
@@ -214,7 +222,7 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
                     nccl.close()  # and so are their interceptors: nothing to roll back
                 criu_calls.unlock_network(criu, dump_rid)
         manifest.phases = phases.rounded()
-        keep = PAUSE if not stop else [*PAUSE, "checksum", "commit", "verify", "end"]
+        keep = PAUSE if not stop else [*PAUSE, "checksum", "commit", "verify", "persist", "end"]
         manifest.pause_s = round(phases.total(keep), 4)
         _rewrite_manifest(store, manifest)
         return manifest
@@ -230,7 +238,7 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
                 f"({err.what}: {err.why})",
                 "an ending job cannot be captured; its last snapshot is still valid", **err.details)
         if held:
-            criu_calls.release(criu, target.init_pid, dump_rid)
+            criu_calls.release(criu, target.init_pid, dump_rid, repair=True)  # a held dump leaves TCP repair on
         if gpus.locked or gpus.checkpointed:
             undone = gpus.rollback()
             if undone:

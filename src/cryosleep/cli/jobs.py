@@ -12,12 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cryosleep import paths
 from cryosleep.agent.agent import Agent
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
+from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config
+from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.errors import CryosleepError, UsageError, from_json
-from cryosleep.store.local import LocalStore
+from cryosleep.net import plan as net_plan
+from cryosleep.triggers.runner import TriggerRunner
 
 
 def free_port() -> int:
@@ -45,6 +47,14 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-interceptor", action="store_true",
                    help="do not preload Cryosleep's NCCL interceptor into the workers (a job that then holds live "
                    "NCCL communicators on GPUs cannot be snapshot)")
+    p.add_argument("--net", choices=["host", "job"], default="host",
+                   help="job: the sandbox gets its own network namespace and a job-private address that moves with "
+                   "its snapshots, so TCP between ranks survives a restore elsewhere; needed for --nnodes > 1 "
+                   "(docs/network.md). host (default): the sandbox shares this host's network")
+    p.add_argument("--net-peers", default="", metavar="IP,...",
+                   help="with --net job across hosts: the other hosts' addresses, linked by a VXLAN overlay")
+    add_persist_options(p)
+    add_trigger_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -52,8 +62,14 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     r = sub.add_parser("restore", help="bring a job back from a snapshot and supervise it")
     r.add_argument("snapshot")
-    r.add_argument("--store", type=Path, default=None)
+    r.add_argument("--store", type=Path, default=None,
+                   help="where the snapshot is: a store directory, or s3://bucket/prefix (fetched and verified "
+                   "into $CRYOSLEEP_STORE first; the restored job goes on persisting there)")
+    add_persist_options(r, store=False)
+    add_trigger_args(r)
     r.add_argument("--timeout", type=float, default=600.0)
+    r.add_argument("--net-peers", default="", metavar="IP,...",
+                   help="a job network spanning hosts: the other hosts' addresses (VXLAN overlay peers)")
     r.add_argument("--gpu-map", help="GPU i of the snapshot goes to GPU MAP[i] here, e.g. 1,0 swaps two GPUs "
                    "(default: by position)")
     r.add_argument("--detach", action="store_true")
@@ -66,10 +82,13 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def build_spec(a: argparse.Namespace) -> JobSpec:
-    if a.nnodes != 1 or a.node_rank != 0:
-        raise UsageError("multi-node jobs are not supported by this version",
-                         f"--nnodes {a.nnodes} --node-rank {a.node_rank} asked for more than one node",
-                         "run with --nnodes 1")
+    if (a.nnodes != 1 or a.node_rank != 0) and a.net != "job":
+        raise UsageError("a multi-node job needs the job network",
+                         f"--nnodes {a.nnodes} --node-rank {a.node_rank} without --net job: restored nodes could "
+                         "not find each other again", "add --net job (and the same --run-id on every node)")
+    if a.nnodes > 1 and not a.run_id:
+        raise UsageError("a multi-node job needs --run-id", "every node derives the job's network from it",
+                         "give the same --run-id to every node of the job")
     if a.nproc_per_node < 1:
         raise UsageError("--nproc-per-node must be at least 1", f"got {a.nproc_per_node}", "")
     if a.no_python:
@@ -82,12 +101,29 @@ def build_spec(a: argparse.Namespace) -> JobSpec:
             raise UsageError(f"no such script: {a.script}", "the file does not exist", "check the path")
         program = [sys.executable, "-u", str(script.resolve()), *a.args]
     name = check_name(a.name or Path(a.script).stem.replace("_", "-"))
+    run_id = a.run_id or secrets.token_hex(4)
+    net: dict[str, Any] = {}
+    master_addr = a.master_addr
+    if a.net == "job":
+        # Node 0's job address is the rendezvous: it moves with node 0's image (--master-addr names node 0's
+        # host, which the workers never need inside the job network).
+        jn = net_plan.job_net(run_id, a.node_rank, a.nnodes)
+        net, master_addr = jn.to_json(), net_plan.node_address(jn.subnet, 0)
+    if a.nnodes > 1:  # each node of the job is its own job on its host: NAME.node<I> (docs/network.md)
+        name = check_name(f"{name}.node{a.node_rank}")
+    if a.nnodes > 1 and not a.master_port:
+        raise UsageError("a multi-node job needs --master-port", "every node must use the same port",
+                         "give the same --master-port to every node")
     return JobSpec(
         name=name, program=program, cwd=os.getcwd(), env=dict(os.environ),
-        nproc_per_node=a.nproc_per_node, nnodes=1, node_rank=0, master_addr=a.master_addr,
-        master_port=a.master_port or free_port(), run_id=a.run_id or secrets.token_hex(4),
-        interceptor=not a.no_interceptor,
+        nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank, master_addr=master_addr,
+        master_port=a.master_port or free_port(), run_id=run_id,
+        interceptor=not a.no_interceptor, net=net,
     )
+
+
+def _peers(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def _detached(log: Path, start: Callable[[Agent | None], Agent], describe: Callable[[Agent], dict[str, Any]],
@@ -164,10 +200,15 @@ def _finish(agent: Agent, code: int, as_json: bool) -> int:
 def cmd_run(a: argparse.Namespace) -> int:
     require_root("running a job under Cryosleep")
     spec = build_spec(a)
+    spec.persist = remote_config(spec.name, a.store, a.key_file, a.local_keep)
+    spec.env.pop("CRYOSLEEP_KEY", None)  # the agent reads it from its own environment; workers and manifests never
     job = JobDir(spec.name)
+    triggers = trigger_config(a)
 
     def start(out: Any) -> Agent:
         agent = Agent(job, spec, out=out)
+        agent.net_peers = _peers(a.net_peers)
+        agent.triggers = TriggerRunner(agent, triggers)  # binds the metrics port: fails before the job starts
         agent.launch()
         return agent
 
@@ -182,8 +223,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def cmd_restore(a: argparse.Namespace) -> int:
     require_root("restoring a snapshot")
-    store = LocalStore(a.store or paths.default_store())
-    manifest = store.load(a.snapshot)
+    store, manifest, fetched = fetch_for_restore(a.snapshot, a.store, a.key_file, as_json=a.json, quiet=a.detach)
     try:
         gpu_map = [int(x) for x in a.gpu_map.split(",")] if a.gpu_map else None
     except ValueError:
@@ -191,14 +231,20 @@ def cmd_restore(a: argparse.Namespace) -> int:
                          "e.g. --gpu-map 1,0") from None
     job = JobDir(manifest.job_name)
     printer = PhasePrinter(not a.json and not a.detach)
+    triggers = trigger_config(a)
 
     def start(out: Any) -> Agent:
         agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
+        agent.net_peers = _peers(a.net_peers)
+        agent.triggers = TriggerRunner(agent, triggers)
         agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map)
+        if fetched is not None:  # the restored job goes on persisting where it came from
+            agent.spec.persist = remote_config(agent.spec.name, fetched["store"], a.key_file, a.local_keep)
+            agent.job.write(agent.spec, agent.state)
         return agent
 
     def describe(agent: Agent) -> dict[str, Any]:
-        return {**_describe(agent), "snapshot": manifest.id, "phases": agent.restore_phases}
+        return {**_describe(agent), "snapshot": manifest.id, "phases": agent.restore_phases, "fetched": fetched}
 
     if a.detach:
         return _detached(job.agent_log, start, describe, a.json)

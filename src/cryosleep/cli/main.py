@@ -7,12 +7,15 @@ import sys
 
 from cryosleep import __version__
 from cryosleep.cli.check import add_check
+from cryosleep.cli.coordinator_cmd import add_coordinator
 from cryosleep.cli.criu_cmd import add_criu
 from cryosleep.cli.demo import add_demo
 from cryosleep.cli.jobs import add_run
+from cryosleep.cli.net_cmd import add_net
 from cryosleep.cli.output import emit_error
 from cryosleep.cli.snapshots import add_snapshots
 from cryosleep.cli.store_cmds import add_store_cmds
+from cryosleep.cli.triggers import add_decisions
 from cryosleep.errors import CryosleepError
 
 
@@ -24,11 +27,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"cryosleep {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run(sub)
+    add_net(sub)
     add_snapshots(sub)
     add_store_cmds(sub)  # after add_snapshots: it extends `verify` with --deep
     add_check(sub)
     add_criu(sub)
     add_demo(sub)
+    add_coordinator(sub)
+    add_decisions(sub)
     return p
 
 

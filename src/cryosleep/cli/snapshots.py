@@ -10,13 +10,25 @@ from pathlib import Path
 from cryosleep import paths
 from cryosleep.agent.control import ControlClient
 from cryosleep.agent.job import JobDir
+from cryosleep.cli import transfer
 from cryosleep.cli.output import PhasePrinter, emit_json, human_bytes, phase_table, require_root, table, when
 from cryosleep.errors import StoreCorrupt, UsageError
 from cryosleep.store.local import LocalStore
+from cryosleep.store.persist import is_remote, normalize_url, remove_record
 
 
 def _store(a: argparse.Namespace) -> LocalStore:
     return LocalStore(a.store or paths.default_store())
+
+
+def _chunk_store_url(a: argparse.Namespace) -> str | None:
+    """The chunk store --store names: s3://..., or a directory holding only a chunk store (`run --store DIR`)."""
+    if is_remote(a.store):
+        return normalize_url(a.store)
+    root = Path(a.store) if a.store else None
+    if root is not None and (root / "cas" / "snapshots").is_dir() and not (root / "snapshots").is_dir():
+        return str(root)
+    return None
 
 
 def add_snapshots(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,7 +85,16 @@ def cmd_snapshot(a: argparse.Namespace) -> int:
     store = str((a.store or paths.default_store()).resolve())
     req = {"op": "snapshot", "stop": a.stop, "timeout": a.timeout, "store": store, "rehearse": a.rehearse,
            "fault": os.environ.get("CRYOSLEEP_FAULT")}
-    res = client.call(req, on_event=printer.event)
+    bar = transfer.TransferPrinter(as_json=a.json)
+
+    def on_event(msg: dict[str, object]) -> None:
+        printer.event(msg)
+        bar(msg)
+
+    try:
+        res = client.call(req, on_event=on_event)
+    finally:
+        bar.close()
     if a.json:
         emit_json(res)
         return 0
@@ -87,32 +108,55 @@ def cmd_snapshot(a: argparse.Namespace) -> int:
     print(f"  pause {res['pause_s']:.3f} s, image {human_bytes(res['bytes'])} "
           f"(workers' memory {human_bytes(res['rss_bytes'])}), store {res['store']}")
     print(phase_table(res["phases"]))
+    rec = res.get("persist")
+    if rec:
+        print(f"  {rec['remote']}: {transfer.summary(rec)}"
+              + ("" if a.stop else " (the upload runs in the background; follow it with `cryosleep ls`)"))
     if a.stop:
-        print(f"job {res['job']} is suspended; bring it back with `cryosleep restore {res['snapshot']}`")
+        print(f"job {res['job']} is suspended; bring it back with `cryosleep restore {res['snapshot']}`"
+              + (f" (or, on any machine, `cryosleep restore {res['snapshot']} --store {rec['remote']}`)"
+                 if rec else ""))
     return 0
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    items = _store(a).manifests(a.job)
+    if (url := _chunk_store_url(a)) is not None:
+        return transfer.cmd_ls_remote(url, a.job, a.json)
+    store = _store(a)
+    items = store.manifests(a.job)
+    recs = transfer.records(store)
+    # Snapshots whose local copy was removed once persisted (bounded staging) are listed from their records.
+    gone = sorted((r for sid, r in recs.items() if r.get("local") == "removed" and (not a.job or r["job"] == a.job)),
+                  key=lambda r: r["events"][0]["t"] if r.get("events") else 0)
     if a.json:
         emit_json([{"snapshot": m.id, "job": m.job_name, "mode": m.mode, "created_at": m.created_at,
                     "bytes": m.bytes, "pause_s": m.pause_s, "ranks": [r for n in m.nodes for r in n.ranks],
-                    "restored_from": m.restored_from} for m in items])
+                    "restored_from": m.restored_from, "local": True, "persist": recs.get(m.id)} for m in items]
+                  + [{"snapshot": r["snapshot"], "job": r["job"], "mode": r["mode"], "bytes": r["bytes_total"],
+                      "local": False, "persist": r} for r in gone])
         return 0
-    rows = [[m.id, m.job_name, m.mode, when(m.created_at), human_bytes(m.bytes), f"{m.pause_s:.3f} s"]
-            for m in items]
-    print(table(["snapshot", "job", "mode", "created", "size", "pause"], rows))
+    rows = [[m.id, m.job_name, m.mode, when(m.created_at), human_bytes(m.bytes), f"{m.pause_s:.3f} s",
+             transfer.summary(recs.get(m.id))] for m in items]
+    rows += [[r["snapshot"], r["job"], r["mode"], when(r["events"][0]["t"] if r.get("events") else None),
+              human_bytes(r["bytes_total"]), "-",
+              transfer.summary(r) + f" (in {r['remote']} only)"] for r in gone]
+    print(table(["snapshot", "job", "mode", "created", "size", "pause", "persistence"], rows))
     return 0
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    m = _store(a).load(a.snapshot)
+    if (url := _chunk_store_url(a)) is not None:
+        return transfer.cmd_show_remote(url, a.snapshot, a.json)
+    store = _store(a)
+    m = store.load(a.snapshot)
+    rec = transfer.records(store).get(m.id)
     if a.json:
-        emit_json(m.to_json())
+        emit_json({**m.to_json(), "persist": rec})
         return 0
     print(f"snapshot  {m.id}\njob       {m.job_name} ({len(m.job['program'])} args: {' '.join(m.job['program'])})")
     print(f"mode      {m.mode}\ncreated   {when(m.created_at)}\nsize      {human_bytes(m.bytes)}")
     print(f"pause     {m.pause_s:.3f} s\nfrom      {m.restored_from or '-'}")
+    print(f"persisted {transfer.summary(rec)}" + (f" ({rec['remote']})" if rec else ""))
     print("host      " + ", ".join(f"{k}={v}" for k, v in sorted(m.host.items())))
     for n in m.nodes:
         print(f"node {n.node_rank}: ranks {n.ranks}, {n.processes} processes, {len(n.files)} files, "
@@ -141,8 +185,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_rm(a: argparse.Namespace) -> int:
+    if (url := _chunk_store_url(a)) is not None:
+        return transfer.cmd_rm_remote(url, a.snapshots, a.json)
     store = _store(a)
     removed = [store.remove(ref) for ref in a.snapshots]
+    for sid in removed:  # a copy in the job's remote store stays: `cryosleep rm SNAPSHOT --store URL` removes it
+        remove_record(store, sid)
     if a.json:
         emit_json({"removed": removed})
     else:

@@ -17,6 +17,7 @@ from cryosleep.cli.output import emit_json, human_bytes, table
 from cryosleep.errors import StoreCorrupt
 from cryosleep.store.backend import open_backend
 from cryosleep.store.gc import GRACE_S, collect
+from cryosleep.store.persist import is_remote
 from cryosleep.store.retention import Decision, Policy, SnapshotInfo, decide, parse_age
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def add_store_cmds(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     shallow = v.get_default("func")
 
     def verify(a: argparse.Namespace) -> int:
-        if a.deep or shallow is None:
+        if a.deep or shallow is None or is_remote(a.store):  # a chunk store is always verified chunk by chunk
             return cmd_verify_deep(a)
         code: int = shallow(a)
         return code

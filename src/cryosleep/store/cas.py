@@ -38,7 +38,7 @@ import zstandard
 
 from cryosleep.errors import CryosleepError, NotFound, StoreCorrupt, UsageError
 from cryosleep.store import gc as gcmod
-from cryosleep.store.backend import Backend, BackendError, ObjectNotFound
+from cryosleep.store.backend import Backend, BackendError, IntegrityError, ObjectNotFound
 from cryosleep.store.chunking import DEFAULT, ChunkSpec, iter_chunks
 from cryosleep.store.crypto import ALGORITHM, DecryptError, JobKey
 from cryosleep.store.manifest import FileEntry, Manifest
@@ -237,12 +237,14 @@ class UploadResult:
     repaired: int = 0  # chunks sent again after a concurrent GC (see cryosleep.store.gc)
     bytes_in: int = 0
     bytes_sent: int = 0
+    bytes_skipped: int = 0  # plaintext bytes not sent: the store had the chunk, or this upload sent it already
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"snapshot": self.snapshot.id, "chunks": self.chunks, "unique": self.unique,
                 "uploaded": self.uploaded, "present": self.present, "repaired": self.repaired,
-                "bytes_in": self.bytes_in, "bytes_sent": self.bytes_sent, "seconds": round(self.seconds, 3)}
+                "bytes_in": self.bytes_in, "bytes_sent": self.bytes_sent, "bytes_skipped": self.bytes_skipped,
+                "seconds": round(self.seconds, 3)}
 
 
 @dataclass
@@ -347,6 +349,7 @@ class ChunkStore:
             if info is not None:
                 with lock:
                     res.present += 1
+                    res.bytes_skipped += len(plain)
                 return info.size
             _, blob = encode_chunk(plain, key, self._cctx())
             self.backend.put(name, blob)
@@ -364,7 +367,10 @@ class ChunkStore:
                     if prior is None:
                         claimed[address] = mine
                 if prior is not None:  # the same content earlier in this upload: its operation is running
-                    return address, prior.result()
+                    stored = prior.result()
+                    with lock:
+                        res.bytes_skipped += len(plain)
+                    return address, stored
                 try:
                     mine.set_result(store(address, plain))
                 except BaseException as e:
@@ -475,6 +481,9 @@ class ChunkStore:
             except ObjectNotFound:
                 raise ChunkCorrupt(f"chunk {c.address} ({where}) is missing from the store", "",
                                    "the store lost it; restore another snapshot") from None
+            except IntegrityError as e:  # the backend's own checksum (S3 ETag) caught it first
+                raise ChunkCorrupt(f"chunk {c.address} ({where}) is damaged", f"{e.what}: {e.why}",
+                                   "the store lost or altered it; restore another snapshot") from e
             return decode_chunk(c.address, blob, key, expected_key_id=snap.key_id, where=where)
 
         window: list[tuple[ChunkRef, Future[bytes]]] = []
@@ -498,8 +507,10 @@ class ChunkStore:
             raise WrongKey(f"snapshot {snap.id} is encrypted and no key was given", "",
                            "give the job's key (--key-file FILE, $CRYOSLEEP_KEY or $CRYOSLEEP_KEY_FILE)")
 
-    def restore(self, ref: str, dest: Path, *, key: JobKey | None = None) -> Snapshot:
-        """Write every file of the snapshot under ``dest``, each checked chunk by chunk and whole."""
+    def restore(self, ref: str, dest: Path, *, key: JobKey | None = None,
+                progress: Callable[[int], None] | None = None) -> Snapshot:
+        """Write every file of the snapshot under ``dest``, each checked chunk by chunk and whole.
+        ``progress`` is called with the plaintext bytes of each chunk written."""
         snap = self.load(ref)
         self._key_for(snap, key)
         with ThreadPoolExecutor(self.workers, thread_name_prefix="cas-get") as pool:
@@ -515,6 +526,8 @@ class ChunkStore:
                                 raise data
                             h.update(data)
                             fh.write(data)
+                            if progress is not None:
+                                progress(len(data))
                     if h.hexdigest() != f.sha256:
                         raise StoreCorrupt(f"{f.path} of snapshot {snap.id} does not match its checksum",
                                            "every chunk verified but the file's SHA-256 differs: the manifest "
@@ -525,9 +538,10 @@ class ChunkStore:
                     tmp.unlink(missing_ok=True)
         return snap
 
-    def verify(self, ref: str, *, key: JobKey | None = None) -> tuple[Snapshot, list[Problem], int]:
+    def verify(self, ref: str, *, key: JobKey | None = None,
+               progress: Callable[[int], None] | None = None) -> tuple[Snapshot, list[Problem], int]:
         """Re-read and re-hash every chunk of the snapshot (and every file whole): (snapshot, problems,
-        chunks checked). No problem: every byte is there and intact."""
+        chunks checked). No problem: every byte is there and intact. ``progress``: bytes of each chunk read."""
         snap = self.load(ref)
         self._key_for(snap, key)
         problems: list[Problem] = []
@@ -539,6 +553,8 @@ class ChunkStore:
                 expect = 0
                 for c, data in self._chunks(snap, f, key, pool):
                     checked += 1
+                    if progress is not None:
+                        progress(c.size)
                     if c.offset != expect:
                         problems.append(Problem(f"{f.path}: chunk at offset {c.offset}, expected {expect}",
                                                 c.address, f.path, c.offset))

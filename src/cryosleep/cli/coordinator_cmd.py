@@ -1,0 +1,175 @@
+"""`cryosleep coordinator`: run the coordinator service, and ask it about jobs and snapshots across nodes."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from cryosleep.cli.output import emit_json, table, when
+from cryosleep.coordinator import catalog, client, service
+
+
+def _client_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", metavar="URL", default=None,
+                   help=f"the coordinator's URL (default ${client.ENV_URL})")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help=f"file holding the coordinator's token (default ${client.ENV_TOKEN_FILE}, "
+                   f"or the token itself in ${client.ENV_TOKEN})")
+    p.add_argument("--json", action="store_true")
+
+
+def add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser("coordinator", help="the service that snapshots multi-node jobs across node agents")
+    csub = c.add_subparsers(dest="coordinator_command", required=True, metavar="SUBCOMMAND")
+
+    s = csub.add_parser("serve", help="run the coordinator (HTTP API, catalog, snapshot state machine)")
+    s.add_argument("--listen", default="127.0.0.1:7480", metavar="HOST:PORT",
+                   help="address to listen on (port 0: any free port, printed at start)")
+    s.add_argument("--db", type=Path, default=None,
+                   help="the SQLite catalog (default $CRYOSLEEP_HOME/coordinator/catalog.db)")
+    s.add_argument("--token-file", type=Path, required=True,
+                   help="file holding the bearer token agents and clients must present (at least 16 characters)")
+    s.add_argument("--poll-wait", type=float, default=20.0, help="longest an agent's poll is held open (s)")
+    s.add_argument("--lost-after", type=float, default=15.0,
+                   help="an agent with no poll for this long is lost: a snapshot in progress is rolled back (s)")
+    s.add_argument("--rollback-timeout", type=float, default=120.0, help="the rollback's own time bound (s)")
+    s.add_argument("--json", action="store_true", help="print the listening address as one JSON line")
+    s.set_defaults(func=cmd_serve)
+
+    j = csub.add_parser("jobs", help="the jobs the coordinator knows, with their nodes")
+    _client_opts(j)
+    j.set_defaults(func=cmd_jobs)
+
+    jb = csub.add_parser("job", help="one job's nodes and agents")
+    jb.add_argument("job")
+    _client_opts(jb)
+    jb.set_defaults(func=cmd_job)
+
+    sn = csub.add_parser("snapshot", help="snapshot a job on all its nodes (all or nothing)")
+    sn.add_argument("job")
+    sn.add_argument("--stop", action="store_true",
+                    help="end the job once every node's image is persisted and verified (default: keep it running)")
+    sn.add_argument("--timeout", type=float, default=None, help="the one deadline for the whole snapshot (s)")
+    sn.add_argument("--no-wait", action="store_true", help="return once the snapshot has started")
+    _client_opts(sn)
+    sn.set_defaults(func=cmd_snapshot)
+
+    ls = csub.add_parser("snapshots", help="the snapshots in the coordinator's catalog")
+    ls.add_argument("job", nargs="?")
+    ls.add_argument("--valid", action="store_true", help="only verified snapshots")
+    _client_opts(ls)
+    ls.set_defaults(func=cmd_snapshots)
+
+    sh = csub.add_parser("show", help="one snapshot: per-node images and phase times, events")
+    sh.add_argument("snapshot")
+    _client_opts(sh)
+    sh.set_defaults(func=cmd_show)
+
+
+def _client(a: argparse.Namespace) -> client.CoordinatorClient:
+    url, token = client.resolve(a.coordinator, a.token_file)
+    return client.CoordinatorClient(url, token)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    token = service.read_token(a.token_file)
+    cfg = service.ServiceConfig(poll_wait_s=a.poll_wait, lost_after_s=a.lost_after, rollback_s=a.rollback_timeout)
+    db = a.db or catalog.default_path()
+    srv, _thread = service.start(a.listen, db, token, cfg)
+    if a.json:
+        emit_json({"listening": srv.url, "db": str(db)})
+    sys.stderr.write(f"cryosleep coordinator: listening on {srv.url}, catalog {db}\n")
+    sys.stderr.flush()
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        done.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    done.wait()
+    left = srv.coordinator.wind_down(cfg.rollback_s)
+    if left:  # the next start finds them in the catalog and finishes their rollback
+        sys.stderr.write(f"cryosleep coordinator: stopping with snapshot(s) {', '.join(left)} still rolling back\n")
+    service.shutdown(srv)
+    srv.coordinator.catalog.close()
+    return 0
+
+
+def cmd_jobs(a: argparse.Namespace) -> int:
+    jobs = _client(a).jobs()
+    if a.json:
+        emit_json(jobs)
+        return 0
+    rows = [[j["job"], j["state"], f"{sum(1 for n in j['nodes'] if n['alive'])}/{j['nnodes']}", j["ranks"],
+             j["snapshot_in_progress"] or "-", j["last_snapshot"] or "-"] for j in jobs]
+    print(table(["job", "state", "nodes alive", "ranks", "snapshot in progress", "last snapshot"], rows))
+    return 0
+
+
+def cmd_job(a: argparse.Namespace) -> int:
+    j = _client(a).job(a.job)
+    if a.json:
+        emit_json(j)
+        return 0
+    print(f"job {j['job']}: {j['state']}, {j['nnodes']} node(s), {j['ranks']} rank(s), last snapshot "
+          f"{j['last_snapshot'] or '-'}")
+    rows = [[n["node_rank"], n["hostname"], n["address"], len(n["ranks"]), "yes" if n["alive"] else "LOST",
+             "-" if n["last_seen_s"] is None else f"{n['last_seen_s']:.1f} s"] for n in j["nodes"]]
+    print(table(["node", "host", "address", "ranks", "alive", "last poll"], rows))
+    return 0
+
+
+def _phases(p: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in p.items()) or "-"
+
+
+def cmd_snapshot(a: argparse.Namespace) -> int:
+    if not a.json:
+        sys.stderr.write(f"cryosleep: {'stop' if a.stop else 'keep-running'} snapshot of job {a.job} on all its "
+                         "nodes\n")
+    s = _client(a).snapshot(a.job, stop=a.stop, timeout_s=a.timeout, wait=not a.no_wait)
+    failed = s["state"] in ("failed", "aborted")
+    if a.json:
+        emit_json(s)
+        return 1 if failed else 0
+    print(f"snapshot {s['id']} of job {s['job']} ({s['mode']}): {s['state']}")
+    print(f"  phases (s): {_phases(s['phases'])}")
+    if failed and s.get("error"):
+        e = s["error"]
+        print(f"  {e.get('what')}\n  why: {e.get('why')}\n  what to do: {e.get('hint')}")
+    elif s["state"] == "verified":
+        for n in s["nodes"]:
+            img = n.get("image") or {}
+            print(f"  node {n['node_rank']}: {img.get('ref', '-')} ({_phases(n['phases'])})")
+    return 1 if failed else 0
+
+
+def cmd_snapshots(a: argparse.Namespace) -> int:
+    snaps = _client(a).snapshots(a.job, a.valid)
+    if a.json:
+        emit_json(snaps)
+        return 0
+    rows = [[s["id"], s["job"], s["mode"], s["state"], when(s["created_at"]), s["reason"] or "-"] for s in snaps]
+    print(table(["snapshot", "job", "mode", "state", "created", "reason"], rows))
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    s = _client(a).snapshot_detail(a.snapshot)
+    if a.json:
+        emit_json(s)
+        return 0
+    print(f"snapshot {s['id']} of job {s['job']} ({s['mode']}): {s['state']}{' (valid)' if s['valid'] else ''}")
+    print(f"created {when(s['created_at'])}, verified {when(s['verified_at'])}, phases (s): {_phases(s['phases'])}")
+    for n in s["nodes"]:
+        print(f"  node {n['node_rank']} ({n['agent']}): {n['state']}, image {(n.get('image') or {}).get('ref', '-')}, "
+              f"phases (s): {_phases(n['phases'])}")
+    for e in s.get("events") or ():
+        node = f" node {e['node_rank']}" if e.get("node_rank") is not None else ""
+        print(f"  {when(e['ts'])} {e['kind']}{node}: {e['message']}")
+    return 0

@@ -1,0 +1,358 @@
+"""Talking to the coordinator: the client the CLI uses, and the node agent's side of the protocol.
+
+``CoordinatorClient`` (CLI and tools): ``--coordinator URL`` or ``$CRYOSLEEP_COORDINATOR``; the token from
+``--token-file F``, ``$CRYOSLEEP_COORDINATOR_TOKEN_FILE`` or ``$CRYOSLEEP_COORDINATOR_TOKEN``.
+
+The node agent's side, for the real agent to plug in (docs/coordinator.md, "The node agent's interface"):
+
+* ``NodeBackend``: one method per operation of ``protocol.Op``; each takes the ``Command`` and returns its
+  result's ``data`` or raises ``CryosleepError``. The runner calls them; they never see HTTP.
+* ``AgentRunner(link, backend, registration)``: registers, long-polls, runs each command on its own thread,
+  posts the result, keeps the results by command id (a repeated delivery is answered from there, never run
+  twice), re-registers after a coordinator restart, and retries with backoff while the coordinator is away.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import quote, urlsplit
+
+from cryosleep.coordinator.protocol import Command, ProtocolError, Result
+from cryosleep.errors import CryosleepError, UsageError, from_json
+
+ENV_URL = "CRYOSLEEP_COORDINATOR"
+ENV_TOKEN_FILE = "CRYOSLEEP_COORDINATOR_TOKEN_FILE"
+ENV_TOKEN = "CRYOSLEEP_COORDINATOR_TOKEN"
+PIGGYBACK_S = 0.05  # a result ready this soon after its command arrived rides on the next poll
+KEEP_RESULTS = 4096  # results kept for repeated deliveries (a snapshot of 128 nodes uses a few dozen ids)
+
+
+class Unreachable(CryosleepError):
+    kind = "unreachable"
+
+
+def resolve(url: str | None, token_file: str | Path | None) -> tuple[str, str]:
+    """The coordinator's URL and token from the options, else the environment."""
+    u = url or os.environ.get(ENV_URL)
+    if not u:
+        raise UsageError("no coordinator given", f"neither --coordinator nor ${ENV_URL} is set",
+                         f"pass --coordinator http://HOST:PORT or set {ENV_URL}")
+    tf = token_file or os.environ.get(ENV_TOKEN_FILE)
+    if tf:
+        try:
+            return u, Path(tf).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"the token file {tf} cannot be read", str(e), "check --token-file") from e
+    tok = os.environ.get(ENV_TOKEN)
+    if not tok:
+        raise UsageError("no coordinator token given",
+                         f"neither --token-file, ${ENV_TOKEN_FILE} nor ${ENV_TOKEN} is set",
+                         "pass --token-file F (the file the coordinator was started with)")
+    return u, tok
+
+
+def _nodelay(conn: http.client.HTTPConnection) -> None:
+    """Requests are small and answered at once: send each without waiting for the previous one's ACK."""
+    sock = conn.sock
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class Http:
+    """One keep-alive HTTP connection to the coordinator (not shared between threads), JSON in and out."""
+
+    def __init__(self, url: str, token: str, timeout: float = 30.0) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise UsageError(f"invalid coordinator URL {url!r}", "expected http://HOST:PORT",
+                             "e.g. --coordinator http://10.0.0.5:7480")
+        self.url = url.rstrip("/")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.token = token
+        self.timeout = timeout
+        self.conn: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def abort(self) -> None:
+        """From another thread: ends a long poll in progress. Half-closing our side tells the coordinator the
+        agent has gone (it answers the poll at once), and that answer wakes the thread blocked reading."""
+        conn = self.conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None,
+             timeout: float | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: one fresh try
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
+            else:
+                self.conn.timeout = timeout or self.timeout
+                if self.conn.sock is not None:
+                    self.conn.sock.settimeout(timeout or self.timeout)
+            try:
+                if self.conn.sock is None:
+                    self.conn.connect()
+                    _nodelay(self.conn)
+                self.conn.request(method, path, body=data, headers=headers)
+                resp = self.conn.getresponse()
+                raw = resp.read()
+                status = resp.status
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                if attempt == 1 or isinstance(e, TimeoutError | ConnectionRefusedError):
+                    raise Unreachable(f"the coordinator at {self.url} did not answer", f"{type(e).__name__}: {e}",
+                                      "check that it runs (`cryosleep coordinator serve`) and the URL") from e
+        try:
+            doc: dict[str, Any] = json.loads(raw) if raw else {}
+        except ValueError as e:
+            raise ProtocolError(f"the coordinator at {self.url} answered something that is not JSON",
+                                raw[:200].decode(errors="replace"), "is this a cryosleep coordinator?") from e
+        if status >= 400:
+            if "error" in doc:
+                raise from_json(doc)
+            raise CryosleepError(f"the coordinator answered HTTP {status}", str(doc)[:200], "")
+        return doc
+
+
+class CoordinatorClient:
+    """What the CLI asks the coordinator."""
+
+    def __init__(self, url: str, token: str, timeout: float = 30.0) -> None:
+        self.http = Http(url, token, timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def health(self) -> dict[str, Any]:
+        return self.http.call("GET", "/v1/health")
+
+    def jobs(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = self.http.call("GET", "/v1/jobs")["jobs"]
+        return out
+
+    def job(self, name: str) -> dict[str, Any]:
+        return self.http.call("GET", f"/v1/jobs/{quote(name, safe='')}")
+
+    def snapshot(self, job: str, *, stop: bool = False, timeout_s: float | None = None, wait: bool = True,
+                 request_id: str | None = None) -> dict[str, Any]:
+        """Triggers a snapshot (with a request id, so that a retried call never starts a second one)."""
+        body: dict[str, Any] = {"mode": "stop" if stop else "keep-running", "wait": wait,
+                                "request_id": request_id or uuid.uuid4().hex}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        limit = (timeout_s or 600.0) + 300.0 if wait else None
+        return self.http.call("POST", f"/v1/jobs/{quote(job, safe='')}/snapshots", body, timeout=limit)
+
+    def snapshots(self, job: str | None = None, valid_only: bool = False) -> list[dict[str, Any]]:
+        q = "?valid=1" if valid_only else ""
+        path = f"/v1/jobs/{quote(job, safe='')}/snapshots{q}" if job else f"/v1/snapshots{q}"
+        out: list[dict[str, Any]] = self.http.call("GET", path)["snapshots"]
+        return out
+
+    def snapshot_detail(self, sid: str) -> dict[str, Any]:
+        return self.http.call("GET", f"/v1/snapshots/{quote(sid, safe='')}")
+
+
+# ---- the node agent's side ---------------------------------------------------------------------------------
+
+
+class NodeBackend(Protocol):
+    """What a node agent does for each operation (docs/coordinator.md has each one's contract). Each returns
+    its result's data, or raises CryosleepError; each must be safe to call again for the same snapshot."""
+
+    def prepare(self, cmd: Command) -> dict[str, Any]: ...
+    def hold(self, cmd: Command) -> dict[str, Any]: ...
+    def report(self, cmd: Command) -> dict[str, Any]: ...
+    def targets(self, cmd: Command) -> dict[str, Any]: ...
+    def quiesce(self, cmd: Command) -> dict[str, Any]: ...
+    def net_hold(self, cmd: Command) -> dict[str, Any]: ...
+    def capture(self, cmd: Command) -> dict[str, Any]: ...
+    def net_release(self, cmd: Command) -> dict[str, Any]: ...
+    def resume(self, cmd: Command) -> dict[str, Any]: ...
+    def relay(self, cmd: Command) -> dict[str, Any]: ...
+    def run(self, cmd: Command) -> dict[str, Any]: ...
+    def persist(self, cmd: Command) -> dict[str, Any]: ...
+    def stop(self, cmd: Command) -> dict[str, Any]: ...
+    def abort(self, cmd: Command) -> dict[str, Any]: ...
+
+
+@dataclass
+class Registration:
+    job: str
+    nnodes: int
+    node_rank: int
+    ranks: list[int]
+    hostname: str = ""
+    address: str = ""
+    facts: dict[str, Any] = field(default_factory=dict)
+    spec: dict[str, Any] = field(default_factory=dict)
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job": self.job, "nnodes": self.nnodes, "node_rank": self.node_rank, "ranks": self.ranks,
+                "hostname": self.hostname, "address": self.address, "facts": self.facts, "spec": self.spec,
+                "incarnation": self.incarnation}
+
+
+class AgentRunner:
+    """The agent's loop: register, long-poll, run commands, post results. ``start()`` runs it on a thread."""
+
+    def __init__(self, url: str, token: str, backend: NodeBackend, reg: Registration, *, wait_s: float = 20.0,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.url = url
+        self.token = token
+        self.backend = backend
+        self.reg = reg
+        self.wait_s = wait_s
+        self.log = log or (lambda _m: None)
+        self.poll_http = Http(url, token)
+        self.post_http = Http(url, token)
+        self.post_lock = threading.Lock()
+        self.agent_id: str | None = None
+        self.done: dict[str, Result] = {}  # command id -> its result (kept for repeated deliveries)
+        self.running: set[str] = set()
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)
+        self.claimable: set[str] = set()
+        self.claimed: dict[str, Result] = {}
+        self._halt = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.received: list[Command] = []  # every delivery, repeats included (tests look at it)
+
+    def start(self) -> AgentRunner:
+        self.thread = threading.Thread(target=self.loop, name=f"agent-{self.reg.job}@{self.reg.node_rank}",
+                                       daemon=True)
+        self.thread.start()
+        return self
+
+    def halt(self) -> None:
+        """Stops polling at once and drops the connections (to the coordinator, the agent is lost)."""
+        self._halt.set()
+        self.poll_http.abort()
+        self.post_http.abort()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def register(self) -> None:
+        res = self.poll_http.call("POST", "/v1/agents/register", self.reg.to_json())
+        self.agent_id = str(res["agent_id"])
+        self.wait_s = min(self.wait_s, float(res.get("poll_wait_s", self.wait_s)))
+
+    def loop(self) -> None:
+        backoff = 0.05
+        carry: list[Result] = []  # results answered quickly enough to ride on the next poll
+        while not self._halt.is_set():
+            try:
+                if self.agent_id is None:
+                    self.register()
+                assert self.agent_id is not None
+                body: dict[str, Any] = {"incarnation": self.reg.incarnation, "wait_s": self.wait_s}
+                if carry:
+                    body["results"] = [r.to_json() for r in carry]
+                res = self.poll_http.call("POST", f"/v1/agents/{quote(self.agent_id, safe='')}/poll", body,
+                                          timeout=self.wait_s + 30)
+                carry = []
+                backoff = 0.05
+                started = [self.dispatch(Command.from_json(c)) for c in res.get("commands") or ()]
+                carry = self._collect([c for c in started if c is not None])
+            except CryosleepError as e:
+                if self._halt.is_set():
+                    return
+                if e.details.get("reregister"):
+                    self.agent_id = None  # the coordinator restarted: register again, same incarnation
+                    carry = []  # their commands are delivered again, and answered from ``done``
+                    continue
+                self.log(f"coordinator: {e.what} ({e.why}); retrying in {backoff:.2f} s")
+                self._halt.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _collect(self, ids: list[str]) -> list[Result]:
+        """Waits up to PIGGYBACK_S for the commands just started; the results ready by then go with the next poll
+        (one request per command instead of two), the others are posted by their threads when done."""
+        if not ids:
+            return []
+        end = time.monotonic() + PIGGYBACK_S
+        with self.lock:
+            while any(i not in self.claimed for i in ids):
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self.ready.wait(left)
+            self.claimable.difference_update(ids)
+            return [self.claimed.pop(i) for i in ids if i in self.claimed]
+
+    def dispatch(self, cmd: Command) -> str | None:
+        """Starts a delivered command on its own thread (returns its id), or answers a repeated one (None)."""
+        with self.lock:
+            self.received.append(cmd)
+            if cmd.id in self.running:
+                return None  # still running it: the result will come
+            done = self.done.get(cmd.id)
+            if done is None:
+                self.running.add(cmd.id)
+                self.claimable.add(cmd.id)  # ``_collect`` takes its result if it is ready soon enough
+        if done is not None:
+            self.post(done)  # a repeat: the same answer, never a second execution
+            return None
+        threading.Thread(target=self._execute, args=(cmd,), daemon=True).start()
+        return cmd.id
+
+    def _execute(self, cmd: Command) -> None:
+        fn: Callable[[Command], dict[str, Any]] = getattr(self.backend, str(cmd.op))
+        start = time.monotonic()
+        try:
+            res = Result.success(cmd, fn(cmd), time.monotonic() - start)
+        except CryosleepError as e:
+            res = Result.failure(cmd, e, time.monotonic() - start)
+        except Exception as e:  # a bug in the backend must still answer
+            res = Result.failure(cmd, CryosleepError(f"the node agent failed at {cmd.op}", f"{type(e).__name__}: {e}",
+                                                     "see the node agent's log"), time.monotonic() - start)
+        with self.lock:
+            self.running.discard(cmd.id)
+            self.done[cmd.id] = res
+            while len(self.done) > KEEP_RESULTS:
+                del self.done[next(iter(self.done))]
+            if cmd.id in self.claimable:
+                self.claimed[cmd.id] = res
+                self.ready.notify_all()
+                return
+        self.post(res)
+
+    def post(self, res: Result) -> None:
+        for delay in (0.05, 0.2, 1.0, 2.0, 0):
+            if self._halt.is_set() or self.agent_id is None:
+                return  # the next delivery of the command is answered from ``done``
+            try:
+                with self.post_lock:
+                    self.post_http.call("POST", f"/v1/agents/{quote(self.agent_id, safe='')}/results",
+                                        {"incarnation": self.reg.incarnation, "results": [res.to_json()]})
+                return
+            except CryosleepError as e:
+                if e.details.get("reregister"):
+                    return
+                self.log(f"result of {res.id} not delivered: {e.what}")
+                time.sleep(delay)

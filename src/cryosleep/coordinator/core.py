@@ -1,0 +1,252 @@
+"""The coordinator's logic without HTTP: agents registering and polling, clients triggering and reading snapshots,
+one ``SnapshotRun`` per job at a time, and the recovery of what a previous coordinator left unfinished.
+``service`` puts it behind the HTTP API; tests and the benchmark may also drive it directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cryosleep.coordinator.catalog import FINAL, Catalog
+from cryosleep.coordinator.hub import Hub
+from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
+from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, ProtocolError, Result
+from cryosleep.errors import Busy, NotEligible, NotFound, UsageError
+
+
+@dataclass
+class ServiceConfig:
+    poll_wait_s: float = 20.0
+    """The longest an agent's poll is held open (it polls again at once)."""
+    lost_after_s: float = 15.0
+    """An agent without a poll open, and without one for this long, is lost."""
+    rollback_s: float = 120.0
+    redeliver_s: float = 5.0
+    """A command delivered but not answered is delivered again after this long (agents drop repeats)."""
+    default_timeout_s: float = 600.0
+
+
+def _stderr_log(msg: str) -> None:
+    sys.stderr.write(f"cryosleep coordinator: {time.strftime('%H:%M:%S')} {msg}\n")
+
+
+class Coordinator:
+    """The service's logic, without HTTP (tests and the bench may drive it directly)."""
+
+    def __init__(self, catalog: Catalog, cfg: ServiceConfig | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.catalog = catalog
+        self.cfg = cfg or ServiceConfig()
+        self.log: Callable[[str], None] = log or _stderr_log
+        self.hub = Hub(self.cfg.redeliver_s)
+        self.lock = threading.Lock()
+        self.active: dict[str, SnapshotRun] = {}  # job -> its snapshot in progress
+        self.threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self.machine_cfg = MachineConfig(lost_after_s=self.cfg.lost_after_s, rollback_s=self.cfg.rollback_s)
+        self._recover()
+        t = threading.Thread(target=self._flush_heartbeats, name="heartbeats", daemon=True)
+        t.start()
+
+    # ---- recovery after a restart ----------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        for row in self.catalog.unfinished():
+            sid, job = str(row["id"]), str(row["job"])
+            if not row.get("ponr_at") and row["state"] != "aborted":
+                self.catalog.update_snapshot(sid, state="aborted", reason="the coordinator restarted during the "
+                                             f"snapshot (it was {row['state']})")
+            self.catalog.event("recover", f"found unfinished at start (state {row['state']})", job=job, snapshot=sid)
+            nodes = {int(n["node_rank"]): str(n["agent"]) for n in row["nodes"]}
+            run = RecoveryRun(self.catalog, self.hub, sid=sid, job=job, mode=Mode(row["mode"]), timeout_s=0.0,
+                              nodes=nodes, incarnations={}, cfg=self.machine_cfg, log=self.log, snapshot=row)
+            with self.lock:
+                self.active[job] = run
+            self._spawn(f"recover-{sid}", functools.partial(self._finish, job, run, run.recover))
+
+    def _spawn(self, name: str, fn: Callable[[], None]) -> threading.Thread:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        self.threads.append(t)
+        t.start()
+        return t
+
+    def _finish(self, job: str, run: SnapshotRun, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as e:  # never leave a job marked busy because of a bug
+            self.log(f"snapshot {run.sid}: {type(e).__name__}: {e}")
+        finally:
+            with self.lock:
+                if self.active.get(job) is run:
+                    del self.active[job]
+
+    def _flush_heartbeats(self) -> None:
+        while not self._stop.wait(2.0):
+            try:
+                self.catalog.touch(self.hub.drain_heartbeats())
+            except Exception as e:  # the catalog may be closing
+                self.log(f"heartbeats not recorded: {e}")
+
+    def wind_down(self, timeout: float) -> list[str]:
+        """Before a graceful stop: every snapshot in progress is cancelled and rolled back (its nodes resumed)
+        while the HTTP server still serves the agents' polls; returns the ones that did not finish in time."""
+        with self.lock:
+            runs = list(self.active.values())
+        for r in runs:
+            r.cancelled = True
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self.lock:
+                if not self.active:
+                    return []
+            time.sleep(0.05)
+        with self.lock:
+            return [r.sid for r in self.active.values()]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.hub.close()
+        for r in list(self.active.values()):
+            r.cancelled = True
+
+    # ---- agents ----------------------------------------------------------------------------------------------
+
+    def register(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            job = str(body["job"])
+            nnodes = int(body["nnodes"])
+            node_rank = int(body["node_rank"])
+            incarnation = str(body["incarnation"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise ProtocolError("a malformed registration", f"{type(e).__name__}: {e}",
+                                "the agent and the coordinator speak different protocol versions?") from e
+        if not 0 <= node_rank < nnodes:
+            raise UsageError(f"node rank {node_rank} is outside 0..{nnodes - 1}", "", "check --node-rank and --nnodes")
+        agent_id = f"{job}@{node_rank}"
+        self.catalog.register(agent_id=agent_id, job=job, nnodes=nnodes, node_rank=node_rank,
+                              incarnation=incarnation, hostname=str(body.get("hostname", "")),
+                              address=str(body.get("address", "")), ranks=[int(r) for r in body.get("ranks") or ()],
+                              facts=dict(body.get("facts") or {}), spec=dict(body.get("spec") or {}))
+        self.hub.attach(agent_id, job, node_rank, incarnation)
+        return {"agent_id": agent_id, "poll_wait_s": self.cfg.poll_wait_s, "protocol": PROTOCOL_VERSION}
+
+    def _unknown_agent(self, agent_id: str) -> NotFound:
+        return NotFound(f"agent {agent_id!r} is not registered (or registered again since)",
+                        "the coordinator restarted, or a newer incarnation of this agent registered",
+                        "register again (POST /v1/agents/register)", reregister=True)
+
+    def poll(self, agent_id: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        inc = str(body.get("incarnation", ""))
+        if body.get("results"):
+            self.results(agent_id, body)
+        wait = min(max(0.0, float(body.get("wait_s", self.cfg.poll_wait_s))), self.cfg.poll_wait_s)
+        cmds = self.hub.take(agent_id, inc, wait, gone)
+        if cmds is None:
+            raise self._unknown_agent(agent_id)
+        return {"commands": [c.to_json() for c in cmds]}
+
+    def results(self, agent_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        inc = str(body.get("incarnation", ""))
+        n = 0
+        for r in body.get("results") or ():
+            if not self.hub.put_result(agent_id, inc, Result.from_json(r)):
+                raise self._unknown_agent(agent_id)
+            n += 1
+        return {"accepted": n}
+
+    # ---- clients ---------------------------------------------------------------------------------------------
+
+    def _nodes(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        for a in self.catalog.agents(job["name"]):
+            age = self.hub.last_seen_age(a["id"])
+            out.append({"node_rank": a["node_rank"], "agent": a["id"], "hostname": a["hostname"],
+                        "address": a["address"], "ranks": a["ranks"], "registered_at": a["registered_at"],
+                        "connected": age is not None, "alive": self.hub.alive(a["id"], self.cfg.lost_after_s),
+                        "last_seen_s": None if age is None else round(age, 3)})
+        return out
+
+    def job_status(self, name: str) -> dict[str, Any]:
+        job = self.catalog.job(name)
+        nodes = self._nodes(job)
+        with self.lock:
+            run = self.active.get(name)
+        state = job["state"]
+        if state == "running" and (len(nodes) < job["nnodes"] or not all(n["alive"] for n in nodes)):
+            state = "incomplete" if len(nodes) < job["nnodes"] else "lost"
+        return {"job": name, "nnodes": job["nnodes"], "state": state, "last_snapshot": job["last_snapshot"],
+                "snapshot_in_progress": run.sid if run else None, "nodes": nodes,
+                "ranks": sum(len(n["ranks"]) for n in nodes), "created_at": job["created_at"]}
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return [self.job_status(j["name"]) for j in self.catalog.jobs()]
+
+    def trigger(self, job: str, mode: str, timeout_s: float | None = None, request_id: str | None = None,
+                wait: bool = False) -> dict[str, Any]:
+        try:
+            m = Mode(mode)
+        except ValueError:
+            raise UsageError(f"unknown snapshot mode {mode!r}", "modes: keep-running, stop", "") from None
+        timeout = float(timeout_s or self.cfg.default_timeout_s)
+        if request_id:  # a retried request: the same snapshot, not a second one
+            seen = self.catalog.by_request(job, request_id)
+            if seen is not None:
+                return self.wait_snapshot(seen["id"], timeout + self.cfg.rollback_s) if wait else seen
+        status = self.job_status(job)
+        with self.lock:
+            busy = self.active.get(job)
+            if busy is not None:
+                raise Busy(f"a snapshot of job {job!r} is already in progress", f"snapshot {busy.sid}",
+                           "wait for it to finish (`cryosleep coordinator snapshots JOB`), then try again")
+            nodes = {int(n["node_rank"]): str(n["agent"]) for n in status["nodes"]}
+            missing = sorted(set(range(status["nnodes"])) - set(nodes))
+            lost = [n["node_rank"] for n in status["nodes"] if not n["alive"]]
+            if missing or lost:
+                why = []
+                if missing:
+                    why.append(f"node(s) {missing} never registered")
+                if lost:
+                    why.append(f"the agents of node(s) {lost} are lost (no poll for {self.cfg.lost_after_s:g} s)")
+                raise NotEligible(f"job {job!r} cannot be snapshotted now", "; ".join(why),
+                                  "start the missing node agents (or wait for them to reconnect), then try again")
+            if status["state"] == "suspended":
+                raise NotEligible(f"job {job!r} is suspended", f"in snapshot {status['last_snapshot']}",
+                                  "restore it first")
+            sid = new_snapshot_id(job)
+            incs = {a: self.hub.incarnation(a) or "" for a in nodes.values()}
+            self.catalog.create_snapshot(sid, job, str(m), timeout, request_id, nodes)
+            run = SnapshotRun(self.catalog, self.hub, sid=sid, job=job, mode=m, timeout_s=timeout, nodes=nodes,
+                              incarnations=incs, cfg=self.machine_cfg, log=self.log)
+            self.active[job] = run
+        self.catalog.event("trigger", f"{m} snapshot requested (timeout {timeout:g} s)", job=job, snapshot=sid)
+        self._spawn(f"snapshot-{sid}", lambda: self._finish(job, run, run.run))
+        if wait:
+            return self.wait_snapshot(sid, timeout + self.cfg.rollback_s * 2)
+        return self.catalog.snapshot(sid)
+
+    def wait_snapshot(self, sid: str, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while True:
+            row = self.catalog.snapshot(sid)
+            done = row["state"] in FINAL and (row["ponr_at"] is None or row["finished_at"] is not None)
+            with self.lock:
+                running = any(r.sid == sid for r in self.active.values())
+            if (done and not running) or time.monotonic() > end:
+                return row
+            time.sleep(0.02)
+
+    def snapshots(self, job: str | None = None, valid_only: bool = False) -> list[dict[str, Any]]:
+        if job:
+            self.catalog.job(job)
+        return self.catalog.snapshots(job, valid_only)
+
+    def snapshot(self, sid: str) -> dict[str, Any]:
+        row = self.catalog.snapshot(sid)
+        row["events"] = self.catalog.events(snapshot=sid)
+        return row

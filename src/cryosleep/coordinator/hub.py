@@ -1,0 +1,222 @@
+"""The coordinator's side of the agents' connections, in memory: command queues, results, liveness.
+
+Each registered agent (one incarnation of it) has an outbox of commands not yet answered. A long poll takes
+the commands that are due (never delivered, or delivered ``redeliver_s`` ago without an answer: at least
+once); a result removes its command and wakes whoever waits for it. An agent is alive while it has a poll
+open, or polled within ``lost_after_s``. Everything here is guarded by one lock; each agent has its own
+condition so that a result or a command wakes only the threads concerned (128 pollers do not all wake for
+each of 128 results).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryosleep.coordinator.protocol import Command, Op, Result
+
+REDELIVER_S = 5.0
+
+
+@dataclass
+class Pending:
+    id: str
+    snapshot: str
+    job: str
+    op: Op
+    args: dict[str, Any]
+    deadline: float  # monotonic, on the coordinator's clock
+    delivered: float | None = None
+
+    def command(self, now: float) -> Command:
+        budget = max(0.0, self.deadline - now)
+        return Command(self.id, self.snapshot, self.job, self.op, budget, time.time() + budget, self.args)
+
+
+@dataclass
+class AgentLine:
+    agent_id: str
+    job: str
+    node_rank: int
+    incarnation: str
+    cond: threading.Condition
+    outbox: dict[str, Pending] = field(default_factory=dict)
+    last_seen: float = 0.0
+    polling: int = 0
+    replaced: bool = False
+
+
+class Hub:
+    def __init__(self, redeliver_s: float = REDELIVER_S) -> None:
+        self.lock = threading.RLock()
+        self.results_cond = threading.Condition(self.lock)
+        self.lines: dict[str, AgentLine] = {}
+        self.results: dict[tuple[str, str], Result] = {}
+        self.redeliver_s = redeliver_s
+        self.seen_wall: dict[str, float] = {}  # heartbeats not yet written to the catalog
+        self.closed = False
+
+    def attach(self, agent_id: str, job: str, node_rank: int, incarnation: str) -> None:
+        """A (re-)registration. A new incarnation replaces the old line: its queued commands are dropped (the
+        process that was to run them is gone) and a snapshot waiting on it sees the restart."""
+        with self.lock:
+            old = self.lines.get(agent_id)
+            if old is not None and old.incarnation == incarnation:
+                old.last_seen = time.monotonic()
+                return
+            if old is not None:
+                old.replaced = True
+                old.cond.notify_all()
+            self.lines[agent_id] = AgentLine(agent_id, job, node_rank, incarnation, threading.Condition(self.lock),
+                                             last_seen=time.monotonic())
+            self.results_cond.notify_all()
+
+    def line(self, agent_id: str) -> AgentLine | None:
+        with self.lock:
+            return self.lines.get(agent_id)
+
+    def incarnation(self, agent_id: str) -> str | None:
+        with self.lock:
+            a = self.lines.get(agent_id)
+            return a.incarnation if a else None
+
+    def alive(self, agent_id: str, lost_after_s: float, now: float | None = None) -> bool:
+        with self.lock:
+            a = self.lines.get(agent_id)
+            if a is None:
+                return False
+            return a.polling > 0 or (now or time.monotonic()) - a.last_seen < lost_after_s
+
+    def last_seen_age(self, agent_id: str) -> float | None:
+        with self.lock:
+            a = self.lines.get(agent_id)
+            if a is None:
+                return None
+            return 0.0 if a.polling else time.monotonic() - a.last_seen
+
+    # ---- commands ------------------------------------------------------------------------------------------
+
+    def send(self, agent_id: str, cmd_id: str, snapshot: str, job: str, op: Op, args: dict[str, Any],
+             deadline: float) -> None:
+        with self.lock:
+            a = self.lines[agent_id]
+            if cmd_id in a.outbox or (agent_id, cmd_id) in self.results:
+                return  # already queued or answered: sending again is a no-op
+            a.outbox[cmd_id] = Pending(cmd_id, snapshot, job, op, args, deadline)
+            a.cond.notify_all()
+
+    def cancel(self, agent_id: str, cmd_id: str) -> None:
+        with self.lock:
+            a = self.lines.get(agent_id)
+            if a is not None:
+                a.outbox.pop(cmd_id, None)
+
+    def take(self, agent_id: str, incarnation: str, wait_s: float,
+             gone: Callable[[], bool] = lambda: False) -> list[Command] | None:
+        """A long poll: the commands due for this agent, or [] after ``wait_s``; None when this incarnation is
+        not (or no longer) the registered one (the agent must register again)."""
+        with self.lock:
+            a = self.lines.get(agent_id)
+            if a is None or a.incarnation != incarnation:
+                return None
+            a.polling += 1
+            try:
+                end = time.monotonic() + wait_s
+                while True:
+                    now = time.monotonic()
+                    a.last_seen = now
+                    self.seen_wall[agent_id] = time.time()
+                    if a.replaced or self.closed:
+                        return None if a.replaced else []
+                    due = [p for p in a.outbox.values()
+                           if p.delivered is None or now - p.delivered >= self.redeliver_s]
+                    if due:
+                        for p in due:
+                            p.delivered = now
+                        return [p.command(now) for p in due]
+                    left = end - now
+                    if left <= 0:
+                        return []
+                    a.cond.wait(min(left, 0.5, self.redeliver_s))
+                    if gone():
+                        return []
+            finally:
+                a.polling -= 1
+                a.last_seen = time.monotonic()
+
+    def put_result(self, agent_id: str, incarnation: str, res: Result) -> bool:
+        """Records the answer to a queued command; the first one for a command id wins, repeats and answers to
+        cancelled commands are ignored. False: this incarnation
+        is not the registered one (its answer is about work a restarted agent no longer has)."""
+        with self.lock:
+            a = self.lines.get(agent_id)
+            if a is None or a.incarnation != incarnation:
+                return False
+            a.last_seen = time.monotonic()
+            if a.outbox.pop(res.id, None) is None:
+                return True  # a repeat, or an answer to a command given up on: nobody waits for it
+            self.results[(agent_id, res.id)] = res
+            self.results_cond.notify_all()
+            return True
+
+    def result(self, agent_id: str, cmd_id: str) -> Result | None:
+        with self.lock:
+            return self.results.get((agent_id, cmd_id))
+
+    def collect(self, wanted: Mapping[str, str]) -> dict[str, Result]:
+        """The results already in for (agent -> command id), under one lock acquisition."""
+        with self.lock:
+            out = {}
+            for a, c in wanted.items():
+                r = self.results.get((a, c))
+                if r is not None:
+                    out[a] = r
+            return out
+
+    def health(self, agents: list[str], lost_after_s: float) -> dict[str, tuple[str | None, bool, float | None]]:
+        """Per agent: (registered incarnation, alive, seconds since its last poll), under one lock acquisition."""
+        now = time.monotonic()
+        with self.lock:
+            out: dict[str, tuple[str | None, bool, float | None]] = {}
+            for a in agents:
+                line = self.lines.get(a)
+                if line is None:
+                    out[a] = (None, False, None)
+                else:
+                    age = 0.0 if line.polling else now - line.last_seen
+                    out[a] = (line.incarnation, line.polling > 0 or age < lost_after_s, age)
+            return out
+
+    def forget(self, snapshot: str) -> None:
+        """Drops a finished snapshot's results and queued commands."""
+        with self.lock:
+            for key in [k for k, r in self.results.items() if r.snapshot == snapshot]:
+                del self.results[key]
+            for a in self.lines.values():
+                for cid in [c for c, p in a.outbox.items() if p.snapshot == snapshot]:
+                    del a.outbox[cid]
+
+    def drain_heartbeats(self) -> dict[str, float]:
+        with self.lock:
+            out, self.seen_wall = self.seen_wall, {}
+            return out
+
+    def wait_results(self, wanted: Mapping[str, str], until: float) -> None:
+        """Waits (at most until ``until``, monotonic, and 0.2 s at a time) for a change: a result, an agent
+        replaced. The caller re-checks what it waits for."""
+        with self.lock:
+            if all((a, c) in self.results for a, c in wanted.items()):
+                return
+            left = until - time.monotonic()
+            if left > 0:
+                self.results_cond.wait(min(left, 0.2))
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            for a in self.lines.values():
+                a.cond.notify_all()
+            self.results_cond.notify_all()

@@ -1,0 +1,421 @@
+"""The snapshot state machine across every node agent of a job: one list of phases, one deadline, one rollback.
+
+::
+
+    prepare    every agent checks eligibility (nothing touched) ............................. refused: failed
+    drain      HOLD on every rank of every node, then rounds: all ranks' counters -> cut.rules.decide over
+               the whole job -> per-communicator targets to every node -> fresh counters, until every member
+               of every communicator issued the same calls (DONE) or the deadline (GIVE_UP)
+    quiesce    (at_cut recorded first) every rank destroys its real NCCL communicators
+    capture    every node: CUDA checkpoint + CRIU dump, staged locally (keep-running: leave running, with the
+               job network held on every node from before the first dump to after the last; stop: leave
+               stopped)
+    keep-running:
+      resume   REBUILD(g) on every node -> ids published by each communicator's rank-0 member relayed to the
+               other members wherever they run -> every rank RUNNING(g) -> RUN: the pause ends
+      persist  every node commits and verifies its image -> the snapshot is verified (valid)
+    stop:
+      persist  every node commits and verifies its image
+               == point of no return: verified + ponr written in one transaction ==
+      stop     every node ends its workers; the job is suspended in this snapshot
+
+Rollback (any failure, timeout, lost or restarted agent before the point of no return): every node gets
+``abort`` (release CRIU's hold and the network hold, CUDA restore and unlock, drop the staged image; NCCL
+ranks RUN if the cut was not reached, otherwise every local rank quiesced), then, if the cut was reached,
+the resume sequence on every node. It has its own time (``rollback_s``), since the snapshot's may be spent.
+After the point of no return nothing is rolled back: a node that fails to stop is recorded, and the snapshot
+stays valid.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryosleep.coordinator.catalog import Catalog
+from cryosleep.coordinator.hub import Hub
+from cryosleep.coordinator.protocol import (
+    GEN_STRIDE,
+    Mode,
+    Op,
+    targets_for,
+    targets_to_json,
+    views_from_json,
+)
+from cryosleep.cut.rules import Action, CommTarget, Decision, RankView, decide
+from cryosleep.errors import CaptureFailed, CryosleepError
+from cryosleep.timing import Phases
+
+HOLD_GRACE_S = 5.0  # the interceptors release a HOLD this long after the snapshot's deadline
+
+# The phase each operation's time is counted in, per node.
+PHASE_OF = {Op.PREPARE: "prepare", Op.HOLD: "drain", Op.REPORT: "drain", Op.TARGETS: "drain",
+            Op.QUIESCE: "quiesce", Op.NET_HOLD: "capture", Op.CAPTURE: "capture", Op.NET_RELEASE: "capture",
+            Op.RESUME: "resume", Op.RELAY: "resume", Op.RUN: "resume", Op.PERSIST: "persist", Op.STOP: "stop",
+            Op.ABORT: "rollback"}
+
+
+@dataclass
+class MachineConfig:
+    lost_after_s: float = 15.0
+    """An agent with no poll open and none for this long is lost (its node fails the snapshot)."""
+    rollback_s: float = 120.0
+    """The rollback's own bound (and the stop phase's), counted from when it starts."""
+    report_wait_s: float = 0.02
+    """How long an agent waits for its ranks to move before reporting counters in a round with no new targets."""
+
+
+def new_snapshot_id(job: str) -> str:
+    return f"{job}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+@dataclass
+class NodeFailure:
+    node: int
+    why: str
+
+
+@dataclass
+class Outcome:
+    ok: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failed: list[NodeFailure] = field(default_factory=list)
+
+
+def _error_text(err: Mapping[str, Any] | None) -> str:
+    if not err:
+        return "failed (no reason given)"
+    what = str(err.get("what", "failed"))
+    why = str(err.get("why", ""))
+    return f"{what}: {why}" if why else what
+
+
+class SnapshotRun:
+    """One snapshot of one job across its nodes (node rank -> agent id). ``run()`` executes it to the end."""
+
+    def __init__(self, catalog: Catalog, hub: Hub, *, sid: str, job: str, mode: Mode, timeout_s: float,
+                 nodes: Mapping[int, str], incarnations: Mapping[str, str], cfg: MachineConfig | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.catalog = catalog
+        self.hub = hub
+        self.sid = sid
+        self.job = job
+        self.mode = mode
+        self.timeout_s = timeout_s
+        self.nodes = dict(sorted(nodes.items()))
+        self.incarnations = dict(incarnations)
+        self.cfg = cfg or MachineConfig()
+        self.log = log or (lambda _m: None)
+        self.deadline = time.monotonic() + timeout_s
+        self.phases = Phases()
+        self.node_phases: dict[int, dict[str, float]] = {n: {} for n in self.nodes}
+        self.step = 0
+        self.gen = 0
+        self.at_cut = False
+        self.resumed = False
+        self.rounds = 0
+        self.cut: Decision | None = None
+        self.images: dict[int, dict[str, Any]] = {}
+        self.cancelled = False
+        self.rolling_back = False
+
+    # ---- talking to every node ------------------------------------------------------------------------------
+
+    def next_gen(self) -> int:
+        self.gen += GEN_STRIDE
+        return self.gen
+
+    def gather(self, op: Op, args: dict[str, Any] | Callable[[int], dict[str, Any]], deadline: float, *,
+               tolerant: bool = False, nodes: list[int] | None = None) -> Outcome:
+        """Sends ``op`` to every node and waits for every answer. Not tolerant: the first failure, a lost or
+        restarted agent, or the deadline raises CaptureFailed (the rest is cancelled). Tolerant: waits for
+        every node that can still answer and returns the failures."""
+        self.step += 1
+        cid = f"{self.sid}.{self.step}.{op}"
+        todo = list(self.nodes) if nodes is None else nodes
+        for n in todo:
+            a = args(n) if callable(args) else args
+            self.hub.send(self.nodes[n], cid, self.sid, self.job, op, a, deadline)
+        out = Outcome()
+        pending = set(todo)
+        phase = PHASE_OF[op]
+        checked = 0.0
+        while pending:
+            # one lock acquisition per wake-up for the results, and liveness at most every 50 ms: with 128 nodes,
+            # checking every node at every result would be quadratic and starve the HTTP threads
+            got = self.hub.collect({self.nodes[n]: cid for n in pending})
+            for n in sorted(pending):
+                r = got.get(self.nodes[n])
+                if r is None:
+                    continue
+                pending.discard(n)
+                np = self.node_phases[n]
+                np[phase] = round(np.get(phase, 0.0) + r.seconds, 6)
+                if r.ok:
+                    out.ok[n] = r.data
+                else:
+                    out.failed.append(NodeFailure(n, f"{op}: {_error_text(r.error)}"))
+            now = time.monotonic()
+            if pending and now - checked >= 0.05:
+                checked = now
+                health = self.hub.health([self.nodes[n] for n in pending], self.cfg.lost_after_s)
+                for n in sorted(pending):
+                    agent = self.nodes[n]
+                    inc, alive, age = health[agent]
+                    why: str | None = None
+                    if inc != self.incarnations[agent]:
+                        why = "its agent restarted (registered again), losing the snapshot's state"
+                    elif not alive:
+                        why = f"its agent was lost (no poll for {age or 0:.1f} s)"
+                    elif self.cancelled and not self.rolling_back:  # the rollback itself still runs
+                        why = "the coordinator is shutting down"
+                    if why is not None:
+                        pending.discard(n)
+                        out.failed.append(NodeFailure(n, f"{op}: {why}"))
+            if out.failed and not tolerant:
+                break
+            if pending and time.monotonic() > deadline:
+                out.failed.extend(NodeFailure(n, f"{op}: no answer before the deadline") for n in sorted(pending))
+                break
+            if pending:
+                self.hub.wait_results({self.nodes[n]: cid for n in pending}, deadline)
+        for n in pending:
+            self.hub.cancel(self.nodes[n], cid)
+        if out.failed and not tolerant:
+            first = out.failed[0]
+            raise CaptureFailed(f"node {first.node} of job {self.job!r} failed the snapshot at {op}",
+                                "; ".join(f"node {f.node}: {f.why}" for f in out.failed),
+                                "every node was told to abort and resume; see `cryosleep coordinator snapshot "
+                                "-d SNAPSHOT` for the events, and the node agents' logs",
+                                node=first.node, op=str(op), snapshot=self.sid)
+        return out
+
+    def _state(self, state: str, **kw: Any) -> None:
+        self.catalog.update_snapshot(self.sid, state=state, phases=self.phases.rounded(), **kw)
+        self.catalog.event("phase", state, job=self.job, snapshot=self.sid)
+        self.log(f"snapshot {self.sid}: {state}")
+
+    def _save_nodes(self) -> None:
+        for n, ph in self.node_phases.items():
+            self.catalog.update_node(self.sid, n, phases=ph, image=self.images.get(n))
+
+    # ---- the phases ----------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        out = self.gather(Op.PREPARE, {"mode": str(self.mode)}, self.deadline)
+        self.gen = max([int(d.get("gen", 0)) for d in out.ok.values()] + [0])
+
+    def drain(self) -> Decision:
+        gen = self.next_gen()
+        hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
+        out = self.gather(Op.HOLD, {"gen": gen, "hold_s": hold_s}, self.deadline)
+        views = {n: views_from_json(d) for n, d in out.ok.items()}
+        floor: dict[int, CommTarget] = {}
+        while True:
+            every: list[RankView] = [v for n in self.nodes for v in views[n]]
+            d = decide(time.monotonic(), self.deadline, every, floor)
+            self.cut = d
+            if d.action is Action.DONE:
+                self.catalog.event("cut", f"{d.reason}, after {self.rounds} round(s)", job=self.job,
+                                   snapshot=self.sid)
+                return d
+            if d.action is Action.GIVE_UP:
+                raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
+                                    "every node was resumed; snapshot again later, or with a longer --timeout")
+            self.rounds += 1
+            if d.action is Action.WRITE:
+                floor = d.targets
+                idents = {n: {s.ident for v in views[n] for s in v.comms} for n in self.nodes}
+                per_node = {n: {"round": self.rounds, "targets": targets_to_json(targets_for(d.targets, idents[n]))}
+                            for n in self.nodes}
+                out = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
+            else:
+                out = self.gather(Op.REPORT, {"round": self.rounds, "wait_s": self.cfg.report_wait_s},
+                                  self.deadline)
+            views = {n: views_from_json(dd) for n, dd in out.ok.items()}
+
+    def quiesce(self) -> None:
+        self.at_cut = True
+        self.catalog.update_snapshot(self.sid, at_cut=True)  # durable before any rank destroys a communicator
+        self.gather(Op.QUIESCE, {"gen": self.next_gen()}, self.deadline)
+
+    def capture(self) -> None:
+        """Keep-running: the job network is held on every node from before the first dump to after the last, so
+        that no byte crosses between a node already dumped (and running on) and one not yet dumped
+        (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump."""
+        keep = self.mode is Mode.KEEP_RUNNING
+        if keep:
+            self.gather(Op.NET_HOLD, {}, self.deadline)
+        self.gather(Op.CAPTURE, {"mode": str(self.mode), "gen": self.next_gen()}, self.deadline)
+        if keep:
+            self.gather(Op.NET_RELEASE, {}, self.deadline)
+
+    def rebuild_all(self, deadline: float) -> None:
+        """REBUILD(g) everywhere, ids relayed across nodes, every rank RUNNING(g), then RUN."""
+        gen = self.next_gen()
+        out = self.gather(Op.RESUME, {"gen": gen}, deadline)
+        uids: dict[str, str] = {}
+        for d in out.ok.values():
+            uids.update({str(k): str(v) for k, v in (d.get("uids") or {}).items()})
+        need = {n: [str(i) for i in d.get("need") or ()] for n, d in out.ok.items()}
+        missing = sorted({i for n in need for i in need[n] if i not in uids})
+        if missing:
+            raise CaptureFailed("the NCCL communicators could not be rebuilt across nodes",
+                                "no node published a fresh id for communicator(s) " + ", ".join(missing),
+                                "the member of rank 0 of each communicator must be on a node of this job")
+        self.gather(Op.RELAY, lambda n: {"gen": gen, "uids": {i: uids[i] for i in need[n]}}, deadline)
+        self.gather(Op.RUN, {"gen": self.next_gen()}, deadline)
+
+    def resume(self) -> None:
+        self.rebuild_all(max(self.deadline, time.monotonic() + self.cfg.rollback_s))
+        self.resumed = True
+        self.at_cut = False
+        self.catalog.update_snapshot(self.sid, at_cut=False)  # nothing quiesced left to rebuild after a restart
+
+    def persist(self) -> None:
+        out = self.gather(Op.PERSIST, {"mode": str(self.mode)}, self.deadline)
+        for n, d in out.ok.items():
+            image = d.get("image")
+            if not image:
+                raise CaptureFailed(f"node {n} persisted no image", "its answer names no image reference",
+                                    "the node agent is out of date?", node=n)
+            self.images[n] = dict(image)
+
+    def stop(self) -> list[str]:
+        out = self.gather(Op.STOP, {}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
+        return [f"node {f.node}: {f.why}" for f in out.failed]
+
+    # ---- the sequence --------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        stop = self.mode is Mode.STOP
+        ponr = False
+        try:
+            self._state("preparing")
+            with self.phases.phase("prepare"):
+                self.prepare()
+            self._state("draining")
+            with self.phases.phase("drain"):
+                self.drain()
+            self._state("quiescing")
+            with self.phases.phase("quiesce"):
+                self.quiesce()
+            self._state("capturing")
+            with self.phases.phase("capture"):
+                self.capture()
+            if not stop:
+                self._state("resuming")
+                with self.phases.phase("resume"):
+                    self.resume()
+            self._state("persisting")
+            with self.phases.phase("persist"):
+                self.persist()
+            self._save_nodes()
+            self.catalog.mark_verified(self.sid, self.job, ponr=stop, phases=self.phases.rounded())
+            ponr = stop
+            self.catalog.event("verified", f"every node's image persisted and verified ({len(self.nodes)} nodes)",
+                               job=self.job, snapshot=self.sid)
+            if stop:
+                self.log(f"snapshot {self.sid}: point of no return")
+                with self.phases.phase("stop"):
+                    problems = self.stop()
+                for p in problems:
+                    self.catalog.event("stop-failed", p, job=self.job, snapshot=self.sid)
+                self.catalog.set_job_state(self.job, "suspended", self.sid)
+                self.catalog.update_snapshot(self.sid, phases=self.phases.rounded(), finished=True,
+                                             reason="; ".join(problems))
+            self._save_nodes()
+            self.catalog.update_snapshot(self.sid, phases=self.phases.rounded())
+            return self.catalog.snapshot(self.sid)
+        except Exception as e:
+            if ponr:  # nothing to undo: the snapshot is verified and the nodes were told to stop
+                self.catalog.event("error", f"after the point of no return: {e}", job=self.job, snapshot=self.sid)
+                return self.catalog.snapshot(self.sid)
+            err = e if isinstance(e, CryosleepError) else CaptureFailed(
+                f"the snapshot of job {self.job!r} failed", f"{type(e).__name__}: {e}", "see the coordinator's log")
+            self.rollback(err)
+            return self.catalog.snapshot(self.sid)
+        finally:
+            self.hub.forget(self.sid)
+
+    def rollback(self, err: CryosleepError) -> None:
+        """The one way back: every node aborts; if the cut was reached, every node rebuilds and runs again."""
+        self.rolling_back = True
+        self.catalog.event("error", str(err.what) + (f": {err.why}" if err.why else ""), job=self.job,
+                           snapshot=self.sid)
+        self._state("rolling-back", reason=err.what)
+        deadline = time.monotonic() + self.cfg.rollback_s
+        problems: list[str] = []
+        states = dict.fromkeys(self.nodes, "resumed")
+        with self.phases.phase("rollback"):
+            at_cut = self.at_cut and not self.resumed
+            out = self.gather(Op.ABORT, {"at_cut": at_cut, "gen": self.next_gen()}, deadline, tolerant=True)
+            for f in out.failed:
+                lost = not self.hub.alive(self.nodes[f.node], self.cfg.lost_after_s)
+                states[f.node] = "lost" if lost else "not-resumed"
+                if lost and not at_cut:  # its ranks were only held: their interceptors release the HOLD by themselves
+                    self.catalog.event("rollback", f"node {f.node}: {f.why}; its ranks are released by the HOLD "
+                                       "deadline", job=self.job, snapshot=self.sid, node_rank=f.node)
+                else:
+                    problems.append(f"node {f.node}: {f.why}")
+            if at_cut:
+                for attempt in range(2):
+                    try:
+                        self.rebuild_all(deadline)
+                        break
+                    except CaptureFailed as e:
+                        if attempt == 1:
+                            problems.append(f"{e.what}: {e.why}")
+                            states = {n: "lost" if st == "lost" else "not-resumed" for n, st in states.items()}
+                            break
+                        again = self.gather(Op.ABORT, {"at_cut": True, "gen": self.next_gen()}, deadline,
+                                            tolerant=True)
+                        problems += [f"node {f.node}: {f.why}" for f in again.failed]
+        if problems:
+            err.details["rollback_problems"] = problems
+            err.hint = ("some nodes could not be resumed: end the job and restore its last verified snapshot "
+                        "(`cryosleep coordinator snapshots JOB`)")
+            for p in problems:
+                self.catalog.event("rollback-failed", p, job=self.job, snapshot=self.sid)
+        self._save_nodes()
+        for n, st in states.items():
+            self.catalog.update_node(self.sid, n, state=st)
+        self.catalog.update_snapshot(self.sid, state="failed", reason=err.what, error=err.to_json(),
+                                     phases=self.phases.rounded(), finished=True)
+        self.catalog.set_job_state(self.job, "damaged" if problems else "running")
+        self.log(f"snapshot {self.sid}: failed ({err.what})")
+
+
+class RecoveryRun(SnapshotRun):
+    """After a coordinator restart: a snapshot the previous coordinator left unfinished. Before the point of no
+    return it is marked aborted and every node is told to abort (and rebuild, if the cut had been reached) once
+    its agent polls again; past it, the nodes are told to stop again."""
+
+    def __init__(self, *args: Any, snapshot: Mapping[str, Any], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.row = dict(snapshot)
+        self.at_cut = bool(self.row.get("at_cut"))
+        self.gen = 1 << 20  # above anything the previous coordinator handed out for this snapshot
+
+    def recover(self) -> None:
+        deadline = time.monotonic() + self.cfg.rollback_s
+        while time.monotonic() < deadline and not all(self.hub.line(a) for a in self.nodes.values()):
+            time.sleep(0.1)  # the agents come back by polling; wait for them (bounded)
+        self.incarnations = {a: self.hub.incarnation(a) or "" for a in self.nodes.values()}
+        try:
+            if self.row.get("ponr_at"):
+                problems = self.stop()
+                for p in problems:
+                    self.catalog.event("stop-failed", p, job=self.job, snapshot=self.sid)
+                self.catalog.set_job_state(self.job, "suspended", self.sid)
+                self.catalog.update_snapshot(self.sid, finished=True, reason="; ".join(problems))
+                return
+            err = CaptureFailed("the coordinator restarted during the snapshot",
+                                f"it was {self.row.get('state')} when the previous coordinator stopped",
+                                "the job was resumed; snapshot again")
+            self.rollback(err)  # ends with finished_at set: the recovery is done
+            self.catalog.update_snapshot(self.sid, state="aborted")
+        finally:
+            self.hub.forget(self.sid)

@@ -1,0 +1,245 @@
+"""The messages between the coordinator and the node agents (JSON over HTTP), version 1.
+
+Transport: **agents connect out**. An agent registers (``POST /v1/agents/register``), then long-polls
+(``POST /v1/agents/{agent}/poll``: held open until a command is queued for it or ``wait_s`` passes) and posts
+each command's result (``POST /v1/agents/{agent}/results``). The coordinator never opens a connection to an
+agent, so nodes behind NAT or a firewall that only allows outbound traffic work, and a poll is the heartbeat.
+
+A **command** names one step of one snapshot for one node::
+
+    {"id": "SNAP.4.targets", "snapshot": "SNAP", "job": "exp", "op": "targets",
+     "budget_s": 41.5, "deadline": 1796000000.0, "args": {...}}
+
+``budget_s`` is the time left at the moment of delivery (the agent counts it on its own monotonic clock, so
+clock skew between hosts does not matter); ``deadline`` is the same instant in wall-clock seconds, for logs.
+
+A **result** answers one command::
+
+    {"id": "SNAP.4.targets", "snapshot": "SNAP", "op": "targets", "ok": true, "seconds": 0.004,
+     "data": {...}, "error": null}          # or "ok": false, "error": {"error", "what", "why", "hint"}
+
+**Idempotency.** Delivery is at least once: a command not answered is delivered again (after a retry interval,
+or to an agent that polls again after a lost connection). The agent executes each command id at most once and
+answers a repeated id with the result it already has (or nothing, while it still runs it); the coordinator
+takes the first result for an id and ignores the rest. The operations are also written to be safe when
+repeated under a new id: each names the state to reach ("targets of round 3", "running"), not a toggle, and
+``abort`` of a snapshot an agent never saw answers ok.
+
+Operations, in the order a snapshot uses them (``args`` -> ``data``):
+
+==========  ================================================  ====================================================
+op          args                                              data (on success)
+==========  ================================================  ====================================================
+prepare     mode                                              ranks, gen (largest NCCL generation seen), facts
+hold        gen, hold_s (how long the interceptors may hold)  views: every local rank held, its counters
+report      round                                             views (fresh counters)
+targets     round, targets (only communicators it holds)      views, read after the ranks answered the targets
+quiesce     gen                                               records (the interceptors at the cut)
+net_hold    -                                                 (keep-running: no frame crosses between nodes)
+capture     mode, gen                                         phases (CUDA checkpoint, CRIU dump, staged locally)
+net_release -                                                 (the job network carries frames again)
+resume      gen (the REBUILD generation, the same on all)     uids {ident: hex} it published, need [ident]
+relay       gen, uids {ident: hex}                            (every local rank answered RUNNING(gen))
+run         gen                                               (the gates are open)
+persist     mode                                              image (reference, bytes, sha256), phases
+stop        -                                                 (the workers ended; the job lives in the snapshot)
+abort       at_cut, gen                                       state: "running" or "quiesced"
+==========  ================================================  ====================================================
+
+``gen``: the first NCCL command generation the agent may write for this command; it may use ``gen`` up to
+``gen + GEN_STRIDE - 1`` (resume's REBUILD is exactly ``gen``, so that relayed ids match on every node).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryosleep.agent.interceptor import CommSlot
+from cryosleep.cut.rules import CommTarget, RankView
+from cryosleep.errors import CryosleepError
+
+PROTOCOL_VERSION = 1
+GEN_STRIDE = 8  # generations reserved per command (HOLD + QUIESCE of a re-quiesce, REBUILD + RUN, ...)
+API = "/v1"
+
+
+class Op(enum.StrEnum):
+    PREPARE = "prepare"
+    HOLD = "hold"
+    REPORT = "report"
+    TARGETS = "targets"
+    QUIESCE = "quiesce"
+    NET_HOLD = "net_hold"
+    CAPTURE = "capture"
+    NET_RELEASE = "net_release"
+    RESUME = "resume"
+    RELAY = "relay"
+    RUN = "run"
+    PERSIST = "persist"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+class Mode(enum.StrEnum):
+    KEEP_RUNNING = "keep-running"
+    STOP = "stop"
+
+
+class ProtocolError(CryosleepError):
+    kind = "protocol"
+
+
+class Unauthorized(CryosleepError):
+    kind = "unauthorized"
+
+
+@dataclass(frozen=True)
+class Command:
+    id: str
+    snapshot: str
+    job: str
+    op: Op
+    budget_s: float
+    deadline: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "snapshot": self.snapshot, "job": self.job, "op": str(self.op),
+                "budget_s": round(self.budget_s, 3), "deadline": round(self.deadline, 3), "args": self.args}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Command:
+        try:
+            return cls(id=str(d["id"]), snapshot=str(d["snapshot"]), job=str(d["job"]), op=Op(d["op"]),
+                       budget_s=float(d["budget_s"]), deadline=float(d["deadline"]), args=dict(d.get("args") or {}))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ProtocolError("a malformed command", f"{type(e).__name__}: {e}",
+                                "the agent and the coordinator speak different protocol versions?") from e
+
+
+@dataclass(frozen=True)
+class Result:
+    id: str
+    snapshot: str
+    op: Op
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    error: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "snapshot": self.snapshot, "op": str(self.op), "ok": self.ok, "data": self.data,
+                "error": self.error, "seconds": round(self.seconds, 6)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Result:
+        try:
+            err = d.get("error")
+            return cls(id=str(d["id"]), snapshot=str(d["snapshot"]), op=Op(d["op"]), ok=bool(d["ok"]),
+                       data=dict(d.get("data") or {}), error=dict(err) if err else None,
+                       seconds=float(d.get("seconds") or 0.0))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ProtocolError("a malformed result", f"{type(e).__name__}: {e}",
+                                "the agent and the coordinator speak different protocol versions?") from e
+
+    @classmethod
+    def success(cls, cmd: Command, data: dict[str, Any], seconds: float) -> Result:
+        return cls(cmd.id, cmd.snapshot, cmd.op, True, data, None, seconds)
+
+    @classmethod
+    def failure(cls, cmd: Command, err: CryosleepError, seconds: float) -> Result:
+        return cls(cmd.id, cmd.snapshot, cmd.op, False, {}, err.to_json(), seconds)
+
+
+def local_deadline(cmd: Command, received: float | None = None) -> float:
+    """The command's deadline on this host's monotonic clock, counted from when it was received."""
+    return (time.monotonic() if received is None else received) + max(0.0, cmd.budget_s)
+
+
+# ---- NCCL counters and targets on the wire ---------------------------------------------------------------
+# Per-peer lists are sent sparse ({peer: n} for n != 0) with their length, so that a communicator of 64 peers
+# at rest costs a few bytes. Communicator idents are 64-bit: sent as 16 hex digits (JSON numbers lose them).
+
+def ident_hex(ident: int) -> str:
+    return f"{ident:016x}"
+
+
+def _sparse(xs: tuple[int, ...]) -> dict[str, int]:
+    return {str(i): n for i, n in enumerate(xs) if n}
+
+
+def _dense(d: Mapping[str, Any], n: int) -> tuple[int, ...]:
+    out = [0] * n
+    for k, v in d.items():
+        i = int(k)
+        if not 0 <= i < n:
+            raise ValueError(f"peer {i} out of range 0..{n - 1}")
+        out[i] = int(v)
+    return tuple(out)
+
+
+_SLOT_INTS = ("index", "state", "vid", "rank", "nranks", "parent_vid", "color", "key", "rebuild", "flags", "device",
+              "seq", "coll_target", "uid_gen", "waiting", "waiting_kind", "waiting_peer")
+
+
+def slot_to_json(s: CommSlot) -> dict[str, Any]:
+    d: dict[str, Any] = {k: getattr(s, k) for k in _SLOT_INTS}
+    d["ident"] = ident_hex(s.ident)
+    d["peers"] = len(s.send)
+    for k in ("send", "recv", "send_target", "recv_target"):
+        sp = _sparse(getattr(s, k))
+        if sp:
+            d[k] = sp
+    return d
+
+
+def slot_from_json(d: Mapping[str, Any]) -> CommSlot:
+    n = int(d["peers"])
+    ints = {k: int(d[k]) for k in _SLOT_INTS}
+    return CommSlot(ident=int(str(d["ident"]), 16), **ints,
+                    send=_dense(d.get("send") or {}, n), recv=_dense(d.get("recv") or {}, n),
+                    send_target=_dense(d.get("send_target") or {}, n),
+                    recv_target=_dense(d.get("recv_target") or {}, n))
+
+
+def view_to_json(v: RankView) -> dict[str, Any]:
+    return {"rank": v.rank, "held": v.held, "busy": v.busy, "in_group": v.in_group, "targets_gen": v.targets_gen,
+            "settled_gen": v.settled_gen, "settled": v.settled, "premul_live": v.premul_live,
+            "comms": [slot_to_json(s) for s in v.comms]}
+
+
+def view_from_json(d: Mapping[str, Any]) -> RankView:
+    return RankView(rank=int(d["rank"]), comms=tuple(slot_from_json(s) for s in d.get("comms") or ()),
+                    held=int(d.get("held", 0)), busy=int(d.get("busy", 0)), in_group=int(d.get("in_group", 0)),
+                    targets_gen=int(d.get("targets_gen", 0)), settled_gen=int(d.get("settled_gen", 0)),
+                    settled=bool(d.get("settled", False)), premul_live=int(d.get("premul_live", 0)))
+
+
+def views_from_json(data: Mapping[str, Any]) -> list[RankView]:
+    try:
+        return [view_from_json(v) for v in data.get("views") or ()]
+    except (KeyError, ValueError, TypeError) as e:
+        raise ProtocolError("an agent sent malformed NCCL counters", f"{type(e).__name__}: {e}",
+                            "the agent and the coordinator speak different protocol versions?") from e
+
+
+def targets_to_json(targets: Mapping[int, CommTarget]) -> dict[str, Any]:
+    return {ident_hex(i): {"coll": t.coll, "pairs": [[a, b, n] for (a, b), n in sorted(t.pairs.items())]}
+            for i, t in targets.items()}
+
+
+def targets_from_json(d: Mapping[str, Any]) -> dict[int, CommTarget]:
+    out: dict[int, CommTarget] = {}
+    for k, t in d.items():
+        pairs = {(int(a), int(b)): int(n) for a, b, n in t.get("pairs") or ()}
+        out[int(k, 16)] = CommTarget(int(t.get("coll", 0)), pairs)
+    return out
+
+
+def targets_for(targets: Mapping[int, CommTarget], idents: set[int]) -> dict[int, CommTarget]:
+    """The part of the job's targets one node needs: the communicators its ranks hold."""
+    return {i: t for i, t in targets.items() if i in idents}

@@ -1,0 +1,231 @@
+"""`cryosleep coordinator serve`: the catalog, the agents' connections and the snapshot machines behind one
+HTTP API (standard library ``ThreadingHTTPServer``, HTTP/1.1 keep-alive, one thread per connection).
+
+Every request but ``GET /v1/health`` carries ``Authorization: Bearer TOKEN`` (the token file's content,
+compared in constant time); a missing or wrong token gets 401 and a JSON error. Errors are the project's JSON
+form (``{"error": kind, "what", "why", "hint"}``) with a matching status.
+
+Agents::
+
+    POST /v1/agents/register              {job, nnodes, node_rank, ranks, hostname, address, incarnation,
+                                           facts, spec}   -> {agent_id, poll_wait_s, protocol}
+    POST /v1/agents/{agent}/poll          {incarnation, wait_s, results?}  -> {commands: [...]}  (long poll)
+    POST /v1/agents/{agent}/results       {incarnation, results: [...]}    -> {accepted}
+
+Clients::
+
+    GET  /v1/jobs                          the jobs, with their nodes' liveness
+    GET  /v1/jobs/{job}                    one job: nodes, agents, the snapshot in progress
+    POST /v1/jobs/{job}/snapshots          {mode: keep-running|stop, timeout_s, request_id?, wait?}
+    GET  /v1/jobs/{job}/snapshots          its snapshots (?valid=1: verified only)
+    GET  /v1/snapshots                     all snapshots (?job=, ?valid=1)
+    GET  /v1/snapshots/{id}                detail: per-node images and phase times, events
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import select
+import socket
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from cryosleep.coordinator.catalog import Catalog
+from cryosleep.coordinator.core import Coordinator, ServiceConfig
+from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Unauthorized
+from cryosleep.errors import CryosleepError, NotFound, UsageError
+
+__all__ = ["Coordinator", "Server", "ServiceConfig", "parse_listen", "read_token", "shutdown", "start"]
+
+MAX_BODY = 64 << 20
+
+
+def read_token(path: Path | str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise UsageError(f"the token file {path} cannot be read", str(e),
+                         "create it (e.g. `head -c 32 /dev/urandom | base64 > F; chmod 600 F`) and pass --token-file F"
+                         ) from e
+    if len(token) < 16:
+        raise UsageError(f"the token in {path} is too short", f"{len(token)} characters",
+                         "use at least 16 random characters")
+    return token
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------------------
+
+STATUS = {"not_found": 404, "usage": 400, "protocol": 400, "unauthorized": 401, "busy": 409, "not_eligible": 409}
+Route = tuple[str, re.Pattern[str], str]
+ROUTES: list[Route] = [
+    ("GET", re.compile(r"^/v1/health$"), "health"),
+    ("POST", re.compile(r"^/v1/agents/register$"), "register"),
+    ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/poll$"), "poll"),
+    ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/results$"), "results"),
+    ("GET", re.compile(r"^/v1/jobs$"), "jobs"),
+    ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)$"), "job"),
+    ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/snapshots$"), "job_snapshots"),
+    ("POST", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/snapshots$"), "trigger"),
+    ("GET", re.compile(r"^/v1/snapshots$"), "snapshots"),
+    ("GET", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)$"), "snapshot"),
+]
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], coordinator: Coordinator, token: str) -> None:
+        self.coordinator = coordinator
+        self.token = token.encode()
+        super().__init__(addr, Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Server
+
+    def setup(self) -> None:
+        super().setup()
+        # a response is written as headers then body: without this, Nagle's algorithm and the client's delayed
+        # ACK hold the body back ~40 ms
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per poll would drown the log
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def _send(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _gone(self) -> bool:
+        """The client closed its connection (a lost agent's long poll): readable with nothing to read."""
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _authorized(self) -> bool:
+        given = self.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.server.token)
+        if not ok:
+            why = "no bearer token was sent" if not given else "the bearer token is wrong"
+            err = Unauthorized("the coordinator refused the request", why,
+                               "pass the coordinator's token with --token-file F "
+                               "(or $CRYOSLEEP_COORDINATOR_TOKEN_FILE)")
+            self._send(401, err.to_json(), {"WWW-Authenticate": 'Bearer realm="cryosleep"'})
+        return ok
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n > MAX_BODY:
+                raise UsageError("the request is too large", f"{n} bytes", f"send at most {MAX_BODY} bytes")
+            raw = self.rfile.read(n) if n else b""
+            for m, pattern, name in ROUTES:
+                match = pattern.match(url.path)
+                if match is None or m != method:
+                    continue
+                if name != "health" and not self._authorized():
+                    return
+                try:
+                    body = json.loads(raw) if raw else {}
+                except ValueError as e:
+                    raise UsageError("the request body is not JSON", str(e), "") from e
+                if not isinstance(body, dict):
+                    raise UsageError("the request body must be a JSON object", "", "")
+                params = {k: unquote(v) for k, v in match.groupdict().items()}
+                self._send(200, self._route(name, params, parse_qs(url.query), body))
+                return
+            paths_known = [p for _, p, _ in ROUTES if p.match(url.path)]
+            if paths_known:
+                raise UsageError(f"{method} is not allowed on {url.path}", "", "see docs/coordinator.md")
+            raise NotFound(f"no such endpoint {url.path}", "", "see docs/coordinator.md for the API")
+        except CryosleepError as e:
+            self._send(STATUS.get(e.kind, 500), e.to_json())
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as e:  # a bug: answer, and keep serving
+            err = CryosleepError("the coordinator failed", f"{type(e).__name__}: {e}", "see the coordinator's log")
+            self.server.coordinator.log(f"{method} {url.path}: {type(e).__name__}: {e}")
+            self._send(500, err.to_json())
+
+    def _route(self, name: str, p: dict[str, str], q: dict[str, list[str]], body: dict[str, Any]) -> Any:
+        c = self.server.coordinator
+        valid = (q.get("valid") or ["0"])[0] in ("1", "true", "yes")
+        if name == "health":
+            return {"ok": True, "protocol": PROTOCOL_VERSION}
+        if name == "register":
+            return c.register(body)
+        if name == "poll":
+            return c.poll(p["agent"], body, self._gone)
+        if name == "results":
+            return c.results(p["agent"], body)
+        if name == "jobs":
+            return {"jobs": c.jobs()}
+        if name == "job":
+            return c.job_status(p["job"])
+        if name == "job_snapshots":
+            return {"snapshots": c.snapshots(p["job"], valid)}
+        if name == "trigger":
+            return c.trigger(p["job"], str(body.get("mode", "keep-running")), body.get("timeout_s"),
+                             body.get("request_id"), bool(body.get("wait", False)))
+        if name == "snapshots":
+            jobs = q.get("job")
+            return {"snapshots": c.snapshots(jobs[0] if jobs else None, valid)}
+        return c.snapshot(p["sid"])
+
+
+def parse_listen(s: str) -> tuple[str, int]:
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit():
+        raise UsageError(f"invalid --listen {s!r}", "expected HOST:PORT", "e.g. --listen 127.0.0.1:7480")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def start(listen: str, db: Path | str, token: str, cfg: ServiceConfig | None = None,
+          log: Callable[[str], None] | None = None) -> tuple[Server, threading.Thread]:
+    """The service in a background thread (tests, the bench); ``serve`` runs it in the foreground."""
+    coord = Coordinator(Catalog(db), cfg, log)
+    try:
+        srv = Server(parse_listen(listen), coord, token)
+    except OSError as e:
+        coord.close()
+        raise CryosleepError(f"the coordinator cannot listen on {listen}", str(e),
+                             "choose another --listen address or port") from e
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True)
+    t.start()
+    return srv, t
+
+
+def shutdown(srv: Server) -> None:
+    srv.coordinator.close()
+    srv.shutdown()
+    srv.server_close()

@@ -1,0 +1,1 @@
+"""Triggers: the periodic policy, signals and cloud preemption notices, and the deadline-aware planner."""

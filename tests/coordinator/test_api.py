@@ -1,0 +1,208 @@
+"""The HTTP API: bearer tokens, JSON errors, idempotent retries, the CLI on top of it, the catalog's schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cryosleep.agent.interceptor import CommSlot
+from cryosleep.cli.main import main
+from cryosleep.coordinator.catalog import SCHEMA_VERSION, Catalog
+from cryosleep.coordinator.client import Http
+from cryosleep.coordinator.protocol import (
+    Command,
+    Op,
+    Result,
+    Unauthorized,
+    targets_from_json,
+    targets_to_json,
+    view_from_json,
+    view_to_json,
+)
+from cryosleep.coordinator.sim import SimFaults
+from cryosleep.cut.rules import CommTarget, RankView
+from cryosleep.errors import Busy
+from tests.coordinator.helpers import Env, wait_for
+
+
+def raw(env: Env, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(env.url + path, data=body, headers=headers, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/snapshots", "/v1/jobs/sim/snapshots"])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-token-0123456789", "Basic abc", "Bearer "])
+def test_auth_refused_with_401_and_a_json_error(env: Env, path: str, auth: str | None) -> None:
+    status, doc = raw(env, path, {"Authorization": auth} if auth else {})
+    assert status == 401
+    assert doc["error"] == "unauthorized" and doc["what"] and doc["why"] and "--token-file" in str(doc["hint"])
+    status, doc = raw(env, "/v1/agents/register", {"Authorization": auth} if auth else {},
+                      json.dumps({"job": "x", "nnodes": 1, "node_rank": 0, "incarnation": "i"}).encode())
+    assert status == 401
+    assert env.coordinator.catalog.jobs() == []  # nothing was registered
+
+
+def test_right_token_and_health(env: Env) -> None:
+    assert raw(env, "/v1/health", {})[0] == 200
+    status, doc = raw(env, "/v1/jobs", {"Authorization": f"Bearer {env.token}"})
+    assert status == 200 and doc == {"jobs": []}
+    with pytest.raises(Unauthorized):
+        env.client("not-the-token-at-all").jobs()
+
+
+def test_errors_are_json_with_status(env: Env) -> None:
+    h = {"Authorization": f"Bearer {env.token}"}
+    status, doc = raw(env, "/v1/jobs/nope", h)
+    assert status == 404 and doc["error"] == "not_found" and "nope" in str(doc["what"])
+    status, doc = raw(env, "/v1/nothing", h)
+    assert status == 404
+    status, doc = raw(env, "/v1/agents/register", h, b"not json")
+    assert status == 400 and doc["error"] == "usage"
+    status, doc = raw(env, "/v1/agents/register", h, b'{"job": "x"}')
+    assert status == 400 and doc["error"] == "protocol"
+
+
+def test_retried_trigger_gives_the_same_snapshot(env: Env) -> None:
+    env.cluster(nnodes=2, nproc=2)
+    cl = env.client()
+    a = cl.snapshot("sim", timeout_s=20, request_id="req-1")
+    b = cl.snapshot("sim", timeout_s=20, request_id="req-1")
+    assert a["id"] == b["id"] and b["state"] == "verified"
+    assert len(cl.snapshots("sim")) == 1
+
+
+def test_second_trigger_while_one_runs_is_busy(env: Env) -> None:
+    c = env.cluster(nnodes=2, nproc=2, faults={0: SimFaults(delay={"capture": 1.0})})
+    cl = env.client()
+    s = cl.snapshot("sim", timeout_s=20, wait=False)
+    with pytest.raises(Busy):
+        cl.snapshot("sim", timeout_s=20, wait=False)
+    wait_for(lambda: cl.snapshot_detail(s["id"])["state"] == "verified", 20, "the first snapshot")
+    assert c.all_running()
+
+
+def test_redelivered_commands_run_once(env: Env) -> None:
+    """An unanswered command is delivered again (redeliver_s = 0.5 s); the agent answers from its results and
+    never runs it twice; a result posted twice is taken once."""
+    c = env.cluster(nnodes=2, nproc=2, faults={1: SimFaults(delay={"capture": 1.6, "persist": 1.2})})
+    s = env.client().snapshot("sim", timeout_s=20)
+    assert s["state"] == "verified", s.get("error")
+    r1 = c.runners[1]
+    caps = [cmd for cmd in r1.received if cmd.op is Op.CAPTURE]
+    assert len(caps) >= 2 and len({cmd.id for cmd in caps}) == 1, "capture was not delivered again"
+    assert c.nodes[1].ops_of(s["id"]).count("capture") == 1
+    assert c.nodes[1].ops_of(s["id"]).count("persist") == 1
+    # a repeated result (a retried POST) is accepted and ignored
+    done = r1.done[caps[0].id]
+    h = Http(env.url, env.token)
+    path = f"/v1/agents/{r1.agent_id}/results"
+    for _ in range(2):
+        assert h.call("POST", path, {"incarnation": r1.reg.incarnation, "results": [done.to_json()]}) == \
+            {"accepted": 1}
+
+
+def test_abort_and_resume_of_an_unknown_snapshot_are_safe(env: Env) -> None:
+    c = env.cluster(nnodes=1, nproc=2)
+    n = c.nodes[0]
+    cmd = Command("x.1.abort", "x", "sim", Op.ABORT, 5.0, 0.0, {"at_cut": False})
+    assert n.abort(cmd) == {"state": "running"}
+    assert n.abort(cmd) == {"state": "running"}
+    assert n.running()
+
+
+def test_stale_incarnation_must_register_again(env: Env) -> None:
+    c = env.cluster(nnodes=1, nproc=1)
+    h = Http(env.url, env.token)
+    from cryosleep.errors import NotFound
+
+    with pytest.raises(NotFound) as e:
+        h.call("POST", f"/v1/agents/{c.runners[0].agent_id}/poll", {"incarnation": "old", "wait_s": 0})
+    assert e.value.details.get("reregister")
+
+
+def test_wire_encoding_round_trips() -> None:
+    s = CommSlot(index=2, state=1, vid=3, ident=0xFEDCBA9876543210, rank=1, nranks=4, parent_vid=0, color=0, key=0,
+                 rebuild=1, flags=0, device=-1, seq=17, coll_target=17, uid_gen=0, waiting=1, waiting_kind=2,
+                 waiting_peer=3, send=(0, 0, 5, 7), recv=(1, 0, 0, 0), send_target=(0, 0, 5, 8),
+                 recv_target=(1, 0, 0, 0))
+    v = RankView(rank=9, comms=(s,), held=1, busy=0, in_group=0, targets_gen=4, settled_gen=4, settled=False)
+    assert view_from_json(json.loads(json.dumps(view_to_json(v)))) == v
+    t = {0xFEDCBA9876543210: CommTarget(17, {(1, 3): 8, (0, 1): 1})}
+    assert targets_from_json(json.loads(json.dumps(targets_to_json(t)))) == t
+    cmd = Command("a.1.hold", "a", "j", Op.HOLD, 3.5, 1.0, {"gen": 8})
+    assert Command.from_json(json.loads(json.dumps(cmd.to_json()))) == cmd
+    r = Result("a.1.hold", "a", Op.HOLD, False, {}, {"error": "x", "what": "w"}, 0.5)
+    assert Result.from_json(json.loads(json.dumps(r.to_json()))) == r
+
+
+def test_catalog_schema_is_versioned(tmp_path: Path) -> None:
+    cat = Catalog(tmp_path / "c.db")
+    assert cat.schema_version() == SCHEMA_VERSION
+    cat.db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    cat.close()
+    from cryosleep.errors import CryosleepError
+
+    with pytest.raises(CryosleepError, match="schema version 99"):
+        Catalog(tmp_path / "c.db")
+
+
+def test_cli_against_the_service(env: Env, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    env.cluster(nnodes=2, nproc=2)
+    monkeypatch.setenv("CRYOSLEEP_COORDINATOR", env.url)
+    monkeypatch.setenv("CRYOSLEEP_COORDINATOR_TOKEN_FILE", str(env.tmp / "token"))
+    assert main(["coordinator", "jobs", "--json"]) == 0
+    jobs = json.loads(capsys.readouterr().out)
+    assert [j["job"] for j in jobs] == ["sim"] and jobs[0]["ranks"] == 4
+    assert main(["coordinator", "snapshot", "sim", "--timeout", "20", "--json"]) == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["state"] == "verified"
+    assert main(["coordinator", "snapshots", "sim", "--json"]) == 0
+    assert [x["id"] for x in json.loads(capsys.readouterr().out)] == [snap["id"]]
+    assert main(["coordinator", "show", snap["id"]]) == 0
+    assert "node 1" in capsys.readouterr().out
+    assert main(["coordinator", "jobs"]) == 0
+    assert "sim" in capsys.readouterr().out
+    # a wrong token: exit 1, the error as JSON
+    bad = env.tmp / "bad"
+    bad.write_text("x" * 32)
+    assert main(["coordinator", "jobs", "--json", "--token-file", str(bad)]) == 1
+    assert json.loads(capsys.readouterr().out)["error"] == "unauthorized"
+
+
+def test_cli_without_coordinator_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CRYOSLEEP_COORDINATOR", raising=False)
+    res = subprocess.run([sys.executable, "-m", "cryosleep.cli.main", "coordinator", "jobs", "--json"],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 2
+    doc = json.loads(res.stdout)
+    assert doc["error"] == "usage" and "CRYOSLEEP_COORDINATOR" in doc["hint"]
+
+
+def test_catalog_keeps_an_aborted_snapshot_unfinished_until_rolled_back(tmp_path: Path) -> None:
+    cat = Catalog(tmp_path / "c.db")
+    cat.register(agent_id="j@0", job="j", nnodes=1, node_rank=0, incarnation="i", hostname="h", address="a",
+                 ranks=[0], facts={}, spec={})
+    cat.create_snapshot("s1", "j", "stop", 10.0, None, {0: "j@0"})
+    assert [r["id"] for r in cat.unfinished()] == ["s1"]
+    cat.update_snapshot("s1", state="aborted")  # what a restarted coordinator writes first
+    assert [r["id"] for r in cat.unfinished()] == ["s1"], "a second restart must still finish the rollback"
+    assert cat.snapshots("j", valid_only=True) == []
+    cat.update_snapshot("s1", finished=True)
+    assert cat.unfinished() == []
+    cat.create_snapshot("s2", "j", "stop", 10.0, "r", {0: "j@0"})
+    cat.mark_verified("s2", "j", ponr=True, phases={})
+    assert [r["id"] for r in cat.unfinished()] == ["s2"], "past the point of no return, not yet stopped"
+    assert [r["id"] for r in cat.snapshots("j", valid_only=True)] == ["s2"]
+    assert cat.by_request("j", "r")["id"] == "s2"
+    cat.close()

@@ -1,0 +1,114 @@
+"""All or nothing across nodes: a failure, a hang or a lost agent at any phase rolls every node back, and the
+snapshot is never listed valid."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cryosleep.coordinator.sim import SimCluster, SimFaults
+from tests.coordinator.helpers import FAST, Env, images, wait_for
+
+PHASES = ["prepare", "drain", "quiesce", "capture", "persist"]
+
+
+def assert_rolled_back(env: Env, c: SimCluster, s: dict[str, object], failing: int) -> None:
+    sid = str(s["id"])
+    assert s["state"] == "failed" and not s["valid"], s
+    assert sid not in [x["id"] for x in env.client().snapshots("sim", valid_only=True)]
+    assert images(env.tmp / "store", sid) == [], "a failed snapshot left images behind"
+    for n in c.nodes:
+        if n.node == failing:
+            continue
+        ops = n.ops_of(sid)
+        assert "abort" in ops, f"node {n.node} was not told to abort: {ops}"
+        if s["at_cut"]:
+            tail = ops[ops.index("abort"):]
+            assert tail[-3:] == ["resume", "relay", "run"], f"node {n.node} was not rebuilt: {ops}"
+    wait_for(c.all_running, 10, "every rank running again")
+    assert env.client().job("sim")["state"] == "running"
+    assert {n["state"] for n in env.client().snapshot_detail(sid)["nodes"]} == {"resumed"}
+
+
+@pytest.mark.parametrize("mode", ["keep-running", "stop"])
+@pytest.mark.parametrize("phase", PHASES)
+def test_one_node_fails_at_each_phase(env: Env, phase: str, mode: str) -> None:
+    c = env.cluster(nnodes=3, nproc=2, seed=7, faults={1: SimFaults(fail={phase: "disk on fire"})})
+    s = env.client().snapshot("sim", stop=mode == "stop", timeout_s=20)
+    assert_rolled_back(env, c, s, failing=1)
+    err = s["error"]
+    assert isinstance(err, dict)
+    assert "node 1" in err["what"] and "disk on fire" in err["why"]
+    assert s["at_cut"] == (phase in ("quiesce", "capture") or (phase == "persist" and mode == "stop"))
+    assert not any(rk.ended for rk in c.world.ranks)
+    # the job is not harmed: the next snapshot, without the fault, succeeds
+    c.nodes[1].faults.fail.clear()
+    again = env.client().snapshot("sim", stop=mode == "stop", timeout_s=20)
+    assert again["state"] == "verified", again.get("error")
+
+
+@pytest.mark.parametrize("phase", ["drain", "capture"])
+def test_lost_agent_times_out_and_every_other_node_resumes(env: Env, phase: str) -> None:
+    c = env.cluster(nnodes=3, nproc=2, seed=8, faults={2: SimFaults(die=phase)})
+    t = time.monotonic()
+    s = env.client().snapshot("sim", timeout_s=30)
+    took = time.monotonic() - t
+    assert s["state"] == "failed"
+    assert "lost" in s["error"]["why"], s["error"]
+    assert took < 10, f"a lost agent must be noticed after lost_after_s ({FAST.lost_after_s} s), not the deadline"
+    for n in c.nodes[:2]:
+        assert "abort" in n.ops_of(s["id"])
+        assert n.running() or s["at_cut"]  # with the cut reached, node 2's ranks cannot rebuild without it
+    st = env.client().job("sim")
+    # before the cut a lost agent's ranks were only held (released by their HOLD deadline): the job is "lost"
+    # (a node without its agent); after it, quiesced ranks cannot be rebuilt without that node: "damaged"
+    assert st["state"] == ("damaged" if s["at_cut"] else "lost")
+    assert not next(n for n in st["nodes"] if n["node_rank"] == 2)["alive"]
+
+
+def test_hang_runs_into_the_one_deadline(env: Env) -> None:
+    c = env.cluster(nnodes=2, nproc=2, seed=9, faults={0: SimFaults(hang={"capture"})})
+    t = time.monotonic()
+    s = env.client().snapshot("sim", timeout_s=2)
+    assert time.monotonic() - t < 10
+    assert s["state"] == "failed" and "deadline" in s["error"]["why"]
+    assert_rolled_back(env, c, s, failing=-1)
+
+
+def test_no_snapshot_while_a_node_is_missing(env: Env) -> None:
+    from cryosleep.errors import NotEligible
+
+    c = env.cluster(nnodes=2, nproc=2)
+    c.runners[1].halt()
+    wait_for(lambda: not env.client().job("sim")["nodes"][1]["alive"], 10, "node 1 seen lost")
+    with pytest.raises(NotEligible) as e:
+        env.client().snapshot("sim", timeout_s=5)
+    assert "node(s) [1]" in e.value.why
+    assert env.client().snapshots("sim") == []
+
+
+def test_resume_fails_once_then_the_rollback_rebuilds(env: Env) -> None:
+    c = env.cluster(nnodes=3, nproc=2, seed=10, faults={2: SimFaults(fail={"relay": "id lost"}, once=True)})
+    s = env.client().snapshot("sim", timeout_s=20)
+    assert s["state"] == "failed" and "id lost" in s["error"]["why"]
+    assert "rollback_problems" not in (s["error"].get("details") or {})
+    for n in c.nodes:
+        ops = n.ops_of(s["id"])
+        assert ops.count("relay") == 2 and ops[-3:] == ["resume", "relay", "run"], ops
+    wait_for(c.all_running, 10, "every rank running again")
+    assert env.client().job("sim")["state"] == "running"
+
+
+def test_a_node_that_cannot_be_rebuilt_leaves_the_job_damaged_and_says_so(env: Env) -> None:
+    c = env.cluster(nnodes=2, nproc=2, seed=11, faults={1: SimFaults(fail={"relay": "id lost"})})
+    s = env.client().snapshot("sim", timeout_s=20)
+    assert s["state"] == "failed" and not s["valid"]
+    problems = s["error"]["details"]["rollback_problems"]
+    assert problems and any("id lost" in p for p in problems)
+    assert "restore its last verified snapshot" in s["error"]["hint"]
+    assert env.client().job("sim")["state"] == "damaged"
+    assert not c.all_running()
+    assert {n["state"] for n in env.client().snapshot_detail(s["id"])["nodes"]} == {"not-resumed"}
+    kinds = [e["kind"] for e in env.client().snapshot_detail(s["id"])["events"]]
+    assert "rollback-failed" in kinds

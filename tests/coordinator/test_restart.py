@@ -1,0 +1,113 @@
+"""A coordinator killed in the middle of a snapshot: the restarted one finds it in the catalog, marks it aborted
+(never valid), and brings every node back to running once the agents have reconnected."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cryosleep.coordinator.catalog import Catalog
+from cryosleep.coordinator.client import CoordinatorClient
+from cryosleep.coordinator.sim import SimCluster, SimFaults
+from tests.coordinator.helpers import images, wait_for
+
+
+def serve(tmp: Path, listen: str) -> tuple[subprocess.Popen[str], str]:
+    p = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "coordinator", "serve", "--listen", listen,
+                          "--db", str(tmp / "catalog.db"), "--token-file", str(tmp / "token"), "--json",
+                          "--poll-wait", "2", "--lost-after", "1", "--rollback-timeout", "15"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env={**os.environ, "CRYOSLEEP_HOME": str(tmp / "home")})
+    assert p.stdout is not None
+    doc = ""
+    while True:
+        line = p.stdout.readline()
+        if not line:
+            raise AssertionError("the coordinator did not start")
+        doc += line
+        try:
+            return p, str(json.loads(doc)["listening"])
+        except ValueError:
+            continue
+
+
+@pytest.mark.parametrize("stage", ["draining", "capturing"])
+def test_coordinator_killed_mid_snapshot(tmp_path: Path, stage: str) -> None:
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    proc, url = serve(tmp_path, "127.0.0.1:0")
+    fault = "targets" if stage == "draining" else "capture"
+    c = SimCluster(url, token, tmp_path / "store", nnodes=3, nproc=2, seed=3, spread=6, wait_s=2,
+                   faults={1: SimFaults(hang={fault})}).start()
+    try:
+        client = CoordinatorClient(url, token)
+        s = client.snapshot("sim", timeout_s=60, wait=False)
+        wait_for(lambda: client.snapshot_detail(s["id"])["state"] == stage, 20, stage)
+        first = "targets" if stage == "draining" else "net_hold"  # the first op of the phase the fault names
+        wait_for(lambda: first in c.nodes[1].ops_of(s["id"]), 20, f"node 1 at {first}")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        # what the dead coordinator left: a snapshot in progress, not valid
+        cat = Catalog(tmp_path / "catalog.db")
+        assert cat.snapshot(s["id"])["state"] == stage
+        cat.close()
+        proc, url2 = serve(tmp_path, url.rsplit("/", 1)[1])  # same address: the agents come back by themselves
+        assert url2 == url
+        client = CoordinatorClient(url, token)
+        row = client.snapshot_detail(s["id"])
+        assert row["state"] in ("aborted", "rolling-back", "failed") and not row["valid"]
+        assert client.snapshots("sim", valid_only=True) == []
+        wait_for(lambda: client.snapshot_detail(s["id"])["state"] == "aborted", 30, "recovery finished")
+        c.nodes[1].release.set()  # the hung operation ends (its late answer goes nowhere)
+        wait_for(c.all_running, 20, "every node running again")
+        for n in c.nodes:
+            ops = n.ops_of(s["id"])
+            assert "abort" in ops
+            if stage == "capturing":
+                assert ops[-3:] == ["resume", "relay", "run"], ops
+        assert images(tmp_path / "store", s["id"]) == []
+        assert any(e["kind"] == "recover" for e in client.snapshot_detail(s["id"])["events"])
+        assert client.job("sim")["state"] == "running"
+        # and the job can be snapshotted again through the new coordinator
+        c.nodes[1].faults.hang.clear()
+        again = client.snapshot("sim", timeout_s=30)
+        assert again["state"] == "verified", again.get("error")
+    finally:
+        c.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_sigterm_mid_snapshot_rolls_back_before_exiting(tmp_path: Path) -> None:
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    proc, url = serve(tmp_path, "127.0.0.1:0")
+    c = SimCluster(url, token, tmp_path / "store", nnodes=2, nproc=2, seed=3, wait_s=2,
+                   faults={1: SimFaults(delay={"capture": 1.5})}).start()
+    try:
+        client = CoordinatorClient(url, token)
+        s = client.snapshot("sim", timeout_s=60, wait=False)
+        wait_for(lambda: "capture" in c.nodes[1].ops_of(s["id"]), 20, "node 1 capturing")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        cat = Catalog(tmp_path / "catalog.db")
+        row = cat.snapshot(s["id"])
+        row["events"] = cat.events(snapshot=s["id"])
+        cat.close()
+        assert row["state"] == "failed" and "shutting down" in row["error"]["why"], row
+        ops = {n.node: n.ops_of(s["id"]) for n in c.nodes}
+        wait_for(c.all_running, 10, f"every node running again ({ops}, {[e['message'] for e in row['events']]})")
+        for n in c.nodes:
+            assert n.ops_of(s["id"])[-3:] == ["resume", "relay", "run"]
+    finally:
+        c.close()
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
