@@ -12,7 +12,9 @@ a keep-running snapshot, lets it train a few seconds, takes a stop snapshot, and
   whose chunks the other rank's image already has;
 - across snapshots: the share of the second snapshot's bytes whose chunks the first already stored
   (what a periodic snapshot after the first sends nothing for);
-- chunks per GiB, and the single-thread speed of cutting + SHA-256.
+- chunks per GiB, and the single-thread speed of cutting + SHA-256;
+- zstd (--levels) on snapshot 1's chunks, memory pages and other files apart: ratio, compress and decompress
+  speed on one thread (the store compresses chunks in parallel on --workers threads).
 
 Chunkings: fixed:SIZE, cdc:AVG (cuts anywhere), cdc4k:AVG (cuts only at 4 KiB boundaries).
 
@@ -104,6 +106,35 @@ def parse_spec(text: str) -> ChunkSpec:
     return ChunkSpec("cdc", n, align=4096 if method == "cdc4k" else 1)
 
 
+def compression_table(files: list[Path], levels: list[int]) -> None:
+    """zstd on the default chunks of one image, memory pages and the rest apart: ratio and one-thread speed."""
+    import zstandard
+
+    groups = {"memory (pages-*.img)": [f for f in files if f.name.startswith("pages-")],
+              "other image files": [f for f in files if not f.name.startswith("pages-")]}
+    print("\n| data | zstd level | ratio | compress MiB/s (1 thread) | decompress MiB/s |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, group in groups.items():
+        chunks = []
+        for f in group:
+            with open(f, "rb") as fh:
+                chunks.extend(b for _, b in iter_chunks(fh, DEFAULT))
+        total = sum(len(c) for c in chunks)
+        if not total:
+            continue
+        for level in levels:
+            cctx, dctx = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+            t0 = time.perf_counter()
+            frames = [cctx.compress(c) for c in chunks]
+            t1 = time.perf_counter()
+            for fr in frames:
+                dctx.decompress(fr)
+            t2 = time.perf_counter()
+            packed = sum(min(len(fr), len(c)) for fr, c in zip(frames, chunks, strict=True))  # stored raw if larger
+            print(f"| {label}, {total / MiB:.0f} MiB | {level} | {total / packed:.2f} | {total / MiB / (t1 - t0):.0f} "
+                  f"| {total / MiB / (t2 - t1):.0f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mem-mb", type=int, default=512)
@@ -113,6 +144,8 @@ def main() -> None:
                                                   "cdc:4M", "cdc4k:256K", "cdc4k:1M", "cdc4k:4M"])
     p.add_argument("--s3", action="store_true", help="also store into the loopback S3 server")
     p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--levels", type=int, nargs="*", default=[1, 3, 9],
+                   help="zstd levels to measure on snapshot 1 (ratio, single-thread speed); none: skip")
     p.add_argument("--store-spec", default=None, help="chunking for the store step (default: the default)")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cryosleep-dedup-"))
@@ -143,6 +176,9 @@ def main() -> None:
             n_chunks = sum(len(c.chunks) for c in cuts[0])
             print(f"| {text} | {rank_share:.1%} | {snap_share:.1%} | {sum(uniq.values()) / sizes[0]:.1%} | "
                   f"{n_chunks / (sizes[0] / 2**30):.0f} | {sum(sizes) / MiB / dt:.0f} |", flush=True)
+
+        if a.levels:
+            compression_table(files[0], a.levels)
 
         def store_into(label: str, store: ChunkStore) -> None:
             for i, s in enumerate(snaps):
