@@ -214,6 +214,42 @@ def test_a_worker_that_exits_during_the_snapshot_is_named(h: Harness) -> None:
     assert h.ls() == []
 
 
+def test_files_the_job_reads_are_checked_at_restore(h: Harness, tmp_path: Path) -> None:
+    """A file the job holds open or maps read-only must be unchanged where it is restored: size and mtime,
+    or else its SHA-256; a changed one stops the restore before anything starts, named."""
+    data = tmp_path / "dataset.bin"
+    data.write_bytes(bytes(range(256)) * 4096)
+    script = workload("reads_dataset")
+    args = ["--data", str(data), "--steps", "40", "--step-sleep", "0.05"]
+    h.run("reader", script, args, nproc=1)
+    h.wait_step("reader", 5)
+    s = h.snapshot("reader", "--stop")
+    assert h.wait_end("reader") == 75
+    manifest = json.loads((Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / s["snapshot"] / "manifest.json")
+                          .read_text())
+    expected = {e["path"]: e for e in manifest["nodes"][0]["expected"]}
+    assert expected[str(data)]["sha256"] and expected[str(data)]["size"] == 256 * 4096
+    assert any("libpython" in p or "torch" in p for p in expected), "the job's libraries are recorded too"
+    st = data.stat()
+
+    data.write_bytes(bytes(range(256)) * 4096 + b"x")  # grown: refused, nothing started
+    res = h.cli("restore", "--json", "--detach", s["snapshot"], check=False)
+    err = json.loads(res.stdout)
+    assert res.returncode != 0 and err["error"] == "not_eligible", err
+    assert f"{data}: {256 * 4096 + 1} bytes, {256 * 4096} at the snapshot" in err["why"], err["why"]
+    assert h.state("reader") == "suspended"
+
+    data.write_bytes(bytes(255 - b for b in range(256)) * 4096)  # same size, other content
+    res = h.cli("restore", "--json", "--detach", s["snapshot"], check=False)
+    assert "content differs from the snapshot's" in json.loads(res.stdout)["why"]
+
+    data.write_bytes(bytes(range(256)) * 4096)  # the same bytes again, a new mtime: the checksum admits it
+    assert data.stat().st_mtime_ns != st.st_mtime_ns
+    h.restore(s["snapshot"])
+    assert h.wait_end("reader") == 0
+    assert h.losses("reader") == reference(script, args, 1)[0]
+
+
 def test_corrupt_images_are_refused_before_anything_starts(h: Harness) -> None:
     script = workload("ddp_basic")
     h.run("corrupt", script, BASIC)

@@ -168,6 +168,7 @@ class Agent:
         self.restore_phases: dict[str, float] = {}
         self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
         self.triggers: TriggerRunner | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
+        self.net_end: str | None = None  # the sandbox's veth host end on the job network (--net job)
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class Agent:
             if self.spec.net:
                 os.close(go_r)
                 go_r = -1
-                net_sandbox.attach(self.spec.net, self.state.init_pid, self.net_peers)
+                self.net_end = net_sandbox.attach(self.spec.net, self.state.init_pid, self.net_peers)
                 os.write(go_w, b"1")
         finally:
             for fd in (go_r, go_w):  # without its byte, the init exits (127) and nothing runs half-networked
@@ -236,6 +237,7 @@ class Agent:
                                            progress=progress, before_criu=lock, gpu_map=gpu_map,
                                            net_peers=self.net_peers)
         self.spec = restored.spec
+        self.net_end = restored.net_end
         self.runtime = {k: v for k, v in restored.manifest.host.items() if k in ("python", "torch")}
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
                               restored_from=restored.manifest.id)
@@ -284,7 +286,7 @@ class Agent:
         if self.tail:
             self.tail.poll(final=True)
         if self.spec.net:  # the sandbox's veth went with it; the job's bridge goes when no node uses it here
-            net_sandbox.release(self.spec.net)
+            net_sandbox.release(self.spec.net, own_end=self.net_end)
         code = os.waitstatus_to_exitcode(status)
         code = 128 - code if code < 0 else code
         for t in list(self._handlers):  # a stop snapshot finishing its bookkeeping and its answer

@@ -1,4 +1,5 @@
 """Files the job writes: staged at the dump, brought back to their state at the snapshot on restore.
+Files it only reads or maps: recorded at the dump, checked at restore (``expected``).
 
 CRIU restores a process's open files by path and trusts they are as they were. A job keeps appending to
 its logs after a keep-running snapshot, so restoring that older snapshot must first put every such file
@@ -15,16 +16,20 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from cryosleep.agent import proctree
 from cryosleep.errors import RestoreFailed
-from cryosleep.store.manifest import StagedFile
+from cryosleep.store.manifest import ExpectedFile, StagedFile
 
 # Files up to this size are copied whole into the snapshot; larger ones are restored by truncation alone
 # (after checking that the bytes before the cut are unchanged).
 DEFAULT_COPY_LIMIT = 256 * 1024 * 1024
 TAIL = 64 * 1024
 STAGED_INDEX = "staged.json"
+EXPECTED_INDEX = "expected.json"
+# Not files a restore could find changed: the kernel's and the devices' (GPU device files are not regular).
+NOT_EXPECTED = ("/proc/", "/sys/", "/dev/")
 
 
 def writable_files(root_pid: int) -> list[str]:
@@ -107,6 +112,100 @@ def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT,
                               sha256=digest, tail_sha256=tail, tail_len=tail_len))
     (dest / STAGED_INDEX).write_text(json.dumps([s.__dict__ for s in out], indent=1))
     return out
+
+
+def held_files(root_pid: int, exclude: set[str]) -> list[str]:
+    """Regular files the tree holds open or maps (the Python installation, datasets), each path once,
+    except ``exclude`` (the staged ones) and deleted files (CRIU carries those itself)."""
+    seen: dict[str, None] = {}
+    for pid in proctree.tree(root_pid):
+        for f in proctree.open_files(pid):
+            if f.is_path:
+                seen.setdefault(f.target, None)
+        for path in sorted(proctree.maps_paths(pid)):
+            seen.setdefault(path, None)
+    out = []
+    for path in seen:
+        if path in exclude or path.endswith(" (deleted)") or path.startswith(NOT_EXPECTED):
+            continue
+        try:
+            if stat.S_ISREG(os.stat(path).st_mode):
+                out.append(path)
+        except OSError:
+            continue
+    return out
+
+
+def record_expected(root_pid: int, dest: Path, staged: list[StagedFile]) -> list[ExpectedFile]:
+    """Size and mtime of every file the frozen tree reads or maps (``expected.json`` in ``dest``)."""
+    out = []
+    for path in held_files(root_pid, {s.path for s in staged}):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out.append(ExpectedFile(path=path, size=st.st_size, mtime_ns=st.st_mtime_ns))
+    (dest / EXPECTED_INDEX).write_text(json.dumps([e.__dict__ for e in out], indent=1))
+    return out
+
+
+def read_expected(dest: Path) -> list[ExpectedFile]:
+    index = dest / EXPECTED_INDEX
+    if not index.exists():
+        return []
+    return [ExpectedFile(**d) for d in json.loads(index.read_text())]
+
+
+def hash_expected(expected: list[ExpectedFile], cache: Path) -> None:
+    """Fill in each file's SHA-256 (after the job resumed), reusing ``cache`` for files unchanged since it
+    was hashed (same size, mtime and inode), so only the first snapshot of a job pays for its libraries."""
+    try:
+        known: dict[str, list[Any]] = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    for e in expected:
+        try:
+            st = os.stat(e.path)
+        except OSError:
+            continue
+        if (st.st_size, st.st_mtime_ns) != (e.size, e.mtime_ns):
+            continue  # changed since the dump: leave it unhashed (a restore then needs size and mtime equal)
+        key = [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = known.get(e.path)
+        if hit and hit[:3] == key:
+            e.sha256 = hit[3]
+            continue
+        try:
+            e.sha256 = _hash_range(e.path, 0, st.st_size)
+        except OSError:
+            continue
+        known[e.path] = [*key, e.sha256]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known))
+    os.replace(tmp, cache)
+
+
+def check_expected(expected: list[ExpectedFile]) -> list[str]:
+    """What differs here from the files the job read at the snapshot (empty: all there, unchanged)."""
+    problems = []
+    for e in expected:
+        try:
+            st = os.stat(e.path)
+        except FileNotFoundError:
+            problems.append(f"{e.path}: missing (the job had it open or mapped)")
+            continue
+        except OSError as err:
+            problems.append(f"{e.path}: cannot be read ({err.strerror})")
+            continue
+        if st.st_size != e.size:
+            problems.append(f"{e.path}: {st.st_size} bytes, {e.size} at the snapshot")
+        elif st.st_mtime_ns != e.mtime_ns:
+            if e.sha256 is None:
+                problems.append(f"{e.path}: modified since the snapshot (mtime), and no checksum to compare")
+            elif _hash_range(e.path, 0, st.st_size) != e.sha256:
+                problems.append(f"{e.path}: its content differs from the snapshot's (SHA-256)")
+    return problems
 
 
 def read_index(dest: Path) -> list[StagedFile]:

@@ -1,7 +1,8 @@
 """CRIU's action script: runs inside ``criu dump`` while the tree is frozen.
 
-At ``post-dump`` (images written, tasks still frozen) it stages the files the job writes (files.stage), and
-the files named in ``CRYOSLEEP_HOOK_EXTRA_FILES`` (the workers' NCCL control blocks, exactly as CRIU saw them).
+At ``post-dump`` (images written, tasks still frozen) it stages the files the job writes (files.stage) and
+the files named in ``CRYOSLEEP_HOOK_EXTRA_FILES`` (the workers' NCCL control blocks, exactly as CRIU saw them),
+and records the size and mtime of the files it only reads or maps (files.record_expected).
 A non-zero exit makes CRIU fail the dump and resume every task, which is what fault injection uses:
 ``CRYOSLEEP_FAULT=capture-fail`` fails here, ``capture-hang`` blocks here until the snapshot's timeout
 (``capture-hang-kill`` too, and then the agent kills CRIU itself instead of letting it roll back, to
@@ -37,7 +38,8 @@ def main() -> int:
     limit = int(os.environ.get("CRYOSLEEP_HOOK_COPY_LIMIT", files.DEFAULT_COPY_LIMIT))
     extra = [p for p in os.environ.get("CRYOSLEEP_HOOK_EXTRA_FILES", "").split(os.pathsep) if p]
     try:
-        files.stage(root, dest, limit, extra)
+        staged = files.stage(root, dest, limit, extra)
+        files.record_expected(root, dest, staged)
     except OSError as e:
         return fail(f"staging the job's files failed: {e}")
     fault = os.environ.get("CRYOSLEEP_FAULT", "")

@@ -47,6 +47,7 @@ class Restored:
     spec: JobSpec
     init_pid: int
     phases: Phases
+    net_end: str | None = None  # the restored sandbox's veth host end (job network), for its release
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -127,6 +128,7 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
             pairs = gpu_pairs(node.gpu["gpus"], cuda.driver().gpus(), gpu_map)
         problems = compat_problems(manifest, criu)
         problems += files.plan_restore(node.staged, node_dir / "files")
+        problems += files.check_expected(node.expected)
         if problems:
             raise NotEligible(
                 f"snapshot {manifest.id} cannot be restored on this machine",
@@ -170,7 +172,7 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
     except BaseException:
         _kill_tree(init_pid)  # a half-restored job must not linger
         raise
-    return Restored(manifest, spec, init_pid, phases)
+    return Restored(manifest, spec, init_pid, phases, veths[0][1] if veths else None)
 
 
 def rebuild_nccl(init_pid: int, facts: dict[str, Any], timeout: float = 30.0) -> None:

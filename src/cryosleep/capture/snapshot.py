@@ -14,7 +14,8 @@
                (GPU jobs, keep-running) device memory back, CUDA calls released
     rebuild    (NCCL, keep-running) every communicator re-created from fresh ids, then the gates open:
                the pause ends here
-    checksum   size and SHA-256 of every image file (the job is already running again)
+    checksum   size and SHA-256 of every image file, and of the files the job only reads (libraries,
+               datasets: checked at restore) unless cached (the job is already running again)
     commit     manifest written, snapshot published atomically in the store
     verify     (stop) every file re-read and checked against the manifest
     persist    (stop, when the job has a remote store) every chunk stored and re-read from it, inside the
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryosleep import __version__, eligibility
+from cryosleep import __version__, eligibility, paths
 from cryosleep.agent import proctree
 from cryosleep.agent.interceptor import ControlBlock, InterceptorError, attach_published
 from cryosleep.agent.job import JobSpec
@@ -188,9 +189,11 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
         with phases.phase("checksum"):
             image_files = hash_tree(staging.path, [f"nodes/{node_rank}"])
             staged = files.read_index(node_dir / "files")
+            expected = files.read_expected(node_dir / "files")
+            files.hash_expected(expected, paths.home() / "cache" / "file-hashes.json")
         node = NodeImage(node_rank=node_rank, ranks=target.spec.ranks, init_pid=target.init_pid,
                          files=image_files, staged=staged, processes=len(tree), rss_bytes=rss, gpu=gpu_facts,
-                         mounts=mounts, nccl=nccl_info)
+                         mounts=mounts, nccl=nccl_info, expected=expected)
         manifest = Manifest(
             id=staging.id, job=target.spec.to_json(), mode="stop" if stop else "keep-running",
             created_at=time.time(), nodes=[node], host=host_facts(criu, target.runtime),

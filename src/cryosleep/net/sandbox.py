@@ -30,10 +30,17 @@ def attach(net_json: dict[str, Any], sandbox_pid: int, peers: Sequence[str] = ()
     return end
 
 
-def release(net_json: dict[str, Any], host: Host | None = None) -> None:
-    """Best effort, after the sandbox ended: remove the job's bridge and overlay here if nothing uses them."""
+def release(net_json: dict[str, Any], host: Host | None = None, own_end: str | None = None) -> None:
+    """Best effort, after the sandbox ended: remove the job's bridge and overlay here if nothing uses them.
+
+    ``own_end``: the ended sandbox's veth host end. The kernel tears a dead namespace's veth down in the
+    background, so right after the sandbox's end it can still be a port of the bridge (seen under load); it
+    is deleted here first, so that the bridge is not kept for a sandbox that is gone."""
+    host = host or Host()
     try:
-        (host or Host()).remove_bridge_if_unused(JobNet.from_json(net_json))
+        if own_end:
+            host.detach(own_end)
+        host.remove_bridge_if_unused(JobNet.from_json(net_json))
     except (NetError, TypeError, ValueError):
         pass
 

@@ -43,6 +43,18 @@ class StagedFile:
 
 
 @dataclass
+class ExpectedFile:
+    """A file the job held open or mapped read-only, expected to exist where it is restored (the Python
+    installation, a dataset on shared storage). Checked at restore: same size and mtime, or else the same
+    SHA-256 (``sha256`` is filled after the job resumed; None when it could not be read)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    sha256: str | None = None
+
+
+@dataclass
 class NodeImage:
     node_rank: int
     ranks: list[int]
@@ -57,6 +69,7 @@ class NodeImage:
     # "comms": [{"ident", "vid", "rank", "nranks", "seq", "sent", "received", "rebuild", "state", "device"}]}]};
     # empty when no worker had called NCCL. A restore rebuilds these communicators.
     nccl: dict[str, Any] = field(default_factory=dict)
+    expected: list[ExpectedFile] = field(default_factory=list)  # files the destination must have, unchanged
 
     @property
     def bytes(self) -> int:
@@ -111,6 +124,7 @@ class Manifest:
                     gpu=n.get("gpu") or {},
                     mounts=list(n.get("mounts") or []),
                     nccl=n.get("nccl") or {},
+                    expected=[ExpectedFile(**e) for e in n.get("expected") or []],
                 )
             )
         return cls(
