@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -214,10 +217,18 @@ def test_a_worker_that_exits_during_the_snapshot_is_named(h: Harness) -> None:
     assert h.ls() == []
 
 
-def test_files_the_job_reads_are_checked_at_restore(h: Harness, tmp_path: Path) -> None:
+@pytest.fixture
+def lasting_dir() -> Iterator[Path]:
+    """A directory outside /tmp (files there are staged into the snapshot, not expected at restore)."""
+    d = Path(tempfile.mkdtemp(prefix="cryosleep-test-", dir="/var/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_files_the_job_reads_are_checked_at_restore(h: Harness, lasting_dir: Path) -> None:
     """A file the job holds open or maps read-only must be unchanged where it is restored: size and mtime,
     or else its SHA-256; a changed one stops the restore before anything starts, named."""
-    data = tmp_path / "dataset.bin"
+    data = lasting_dir / "dataset.bin"
     data.write_bytes(bytes(range(256)) * 4096)
     script = workload("reads_dataset")
     args = ["--data", str(data), "--steps", "40", "--step-sleep", "0.05"]
@@ -248,6 +259,25 @@ def test_files_the_job_reads_are_checked_at_restore(h: Harness, tmp_path: Path) 
     h.restore(s["snapshot"])
     assert h.wait_end("reader") == 0
     assert h.losses("reader") == reference(script, args, 1)[0]
+
+
+def test_a_file_the_job_reads_under_tmp_travels_in_the_snapshot(h: Harness, tmp_path: Path) -> None:
+    """/tmp and /dev/shm do not outlive the machine: a file the job reads there is staged at the dump and
+    put back at restore, so a restore elsewhere (here: after it was deleted) finds it."""
+    data = tmp_path / "scratch.bin"
+    data.write_bytes(bytes(range(256)) * 1024)
+    script = workload("reads_dataset")
+    args = ["--data", str(data), "--steps", "30", "--step-sleep", "0.05"]
+    ref = reference(script, args, 1)[0]
+    h.run("scratch", script, args, nproc=1)
+    h.wait_step("scratch", 5)
+    s = h.snapshot("scratch", "--stop")
+    assert h.wait_end("scratch") == 75
+    data.unlink()
+    h.restore(s["snapshot"])
+    assert h.wait_end("scratch") == 0
+    assert data.read_bytes() == bytes(range(256)) * 1024
+    assert h.losses("scratch") == ref
 
 
 def test_corrupt_images_are_refused_before_anything_starts(h: Harness) -> None:

@@ -1,5 +1,6 @@
-"""Files the job writes: staged at the dump, brought back to their state at the snapshot on restore.
-Files it only reads or maps: recorded at the dump, checked at restore (``expected``).
+"""Files the job writes, and files it reads under /tmp, /dev/shm or /run (which the destination will not
+have): staged at the dump, brought back to their state at the snapshot on restore. Files it only reads or
+maps elsewhere (libraries, datasets): recorded at the dump, checked at restore (``expected``).
 
 CRIU restores a process's open files by path and trusts they are as they were. A job keeps appending to
 its logs after a keep-running snapshot, so restoring that older snapshot must first put every such file
@@ -32,19 +33,29 @@ EXPECTED_INDEX = "expected.json"
 NOT_EXPECTED = ("/proc/", "/sys/", "/dev/")
 
 
+# Where files do not outlive the machine (or a reboot): one the job reads there is staged like one it
+# writes, since the destination will not have it.
+VOLATILE = ("/tmp/", "/dev/shm/", "/run/")
+
+
 def writable_files(root_pid: int) -> list[str]:
-    """Regular files held open for writing by any process of the tree, each path once, in tree order."""
+    """Regular files held open for writing by any process of the tree, and files it holds open or maps
+    under VOLATILE, each path once, in tree order."""
     seen: dict[str, None] = {}
     for pid in proctree.tree(root_pid):
+        wanted = [m for m in sorted(proctree.maps_paths(pid)) if m.startswith(VOLATILE)]
         for f in proctree.open_files(pid):
-            if not (f.is_path and f.writable) or f.target.endswith(" (deleted)"):
+            if f.is_path and (f.writable or f.target.startswith(VOLATILE)):
+                wanted.append(f.target)
+        for path in wanted:
+            if path.endswith(" (deleted)"):
                 continue
             try:
-                st = os.stat(f.target)
+                st = os.stat(path)
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                seen.setdefault(f.target, None)
+                seen.setdefault(path, None)
     return list(seen)
 
 
