@@ -17,10 +17,12 @@ from cryosleep.errors import RestoreFailed
 
 @pytest.fixture
 def writer(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """A real process holding two files open for writing (and one for reading)."""
+    """A real process holding two files open for writing (and one for reading, outside /tmp: one read under
+    /tmp would be staged too, files.VOLATILE)."""
     log = tmp_path / "out.log"
     big = tmp_path / "big.bin"
-    ro = tmp_path / "ro.txt"
+    lasting = Path(tempfile.mkdtemp(prefix="cryosleep-test-", dir="/var/tmp"))
+    ro = lasting / "ro.txt"
     ro.write_text("read only")
     code = (f"import time\nf = open({str(log)!r}, 'a'); g = open({str(big)!r}, 'wb'); r = open({str(ro)!r})\n"
             "f.write('hello\\n'); f.flush(); g.write(b'B' * 100000); g.flush()\ntime.sleep(60)\n")
@@ -32,6 +34,7 @@ def writer(tmp_path: Path):  # type: ignore[no-untyped-def]
     yield p, log, big, ro
     p.kill()
     p.wait()
+    shutil.rmtree(lasting, ignore_errors=True)
 
 
 def test_stage_and_restore_round_trip(writer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
