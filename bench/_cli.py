@@ -1,10 +1,13 @@
-"""What the benchmark scripts share: calling the real `cryosleep` CLI for its JSON answer."""
+"""What the benchmark scripts share: calling the real `cryosleep` CLI for its JSON answer, and waiting for a
+job's log to grow."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 
 def cli(env: dict[str, str], *args: str) -> dict[str, object]:
@@ -15,3 +18,13 @@ def cli(env: dict[str, str], *args: str) -> dict[str, object]:
         raise SystemExit(f"cryosleep {' '.join(args)} failed:\n{res.stdout}\n{res.stderr}")
     out: dict[str, object] = json.loads(res.stdout)
     return out
+
+
+def wait_lines(log: Path, n: int, timeout: float = 600, poll: float = 0.1) -> None:
+    """Wait until ``log`` has ``n`` lines; exit saying so after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if log.exists() and log.read_text().count("\n") >= n:
+            return
+        time.sleep(poll)
+    raise SystemExit(f"{log} did not reach {n} lines")

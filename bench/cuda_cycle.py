@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _cli import cli
+from _cli import cli, wait_lines
 
 from cryosleep.capture import cuda
 from cryosleep.errors import CryosleepError
@@ -34,15 +34,6 @@ WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 def kernel_log_tail(n: int = 20) -> list[str]:
     res = subprocess.run(["dmesg"], capture_output=True, text=True, check=False)
     return res.stdout.splitlines()[-n:]
-
-
-def wait_lines(log: Path, n: int, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if log.exists() and log.read_text().count("\n") >= n:
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"{log} did not reach {n} lines")
 
 
 def main() -> None:
@@ -62,14 +53,14 @@ def main() -> None:
     if a.sandbox:
         cli(env, "run", "--detach", "--name", "cycle", "--nproc-per-node", "1", *job)
         log = tmp / "home" / "jobs" / "cycle" / "logs" / "rank-0.log"
-        wait_lines(log, 5)
+        wait_lines(log, 5, timeout=300, poll=0.05)
         st = json.loads((tmp / "home" / "jobs" / "cycle" / "job.json").read_text())["state"]
         init_pid = st["init_pid"]
         pid = cuda.cuda_processes(init_pid)[0]
     else:
         log = tmp / "rank-0.log"
         proc = subprocess.Popen([sys.executable, *job], stdout=log.open("w"), stderr=subprocess.STDOUT)
-        wait_lines(log, 5)
+        wait_lines(log, 5, timeout=300, poll=0.05)
         pid = proc.pid
     drv = cuda.driver()
     calls: list[tuple[str, Any]] = [("lock", lambda: drv.lock(pid, 10.0)), ("checkpoint", lambda: drv.checkpoint(pid)),

@@ -22,22 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from _cli import cli  # bench/ is on sys.path when a script here is run
+from _cli import cli, wait_lines  # bench/ is on sys.path when a script here is run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
 GPU_WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 
 
-
-
-def wait_lines(log: Path, n: int, timeout: float = 600, poll: float = 0.1) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if log.exists() and log.read_text().count("\n") >= n:
-            return
-        time.sleep(poll)
-    raise SystemExit(f"{log} did not reach {n} lines")
 
 
 def main() -> None:
