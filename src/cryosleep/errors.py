@@ -11,6 +11,7 @@ Every error says what failed, why, and what to do next, and has a JSON form for 
      +-- StoreCorrupt         an image failed verification
      +-- Busy                 another operation holds the job (a snapshot already in progress)
      +-- CriuUnavailable      no usable CRIU; the hint says how to install it
+     +-- IprouteUnavailable   no iproute2 (``ip``, ``bridge``) to run; the hint says how to get one
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ class Busy(CryosleepError):
 
 class CriuUnavailable(CryosleepError):
     kind = "criu_unavailable"
+
+
+class IprouteUnavailable(CryosleepError):
+    kind = "iproute_unavailable"
 
 
 _KINDS["error"] = CryosleepError

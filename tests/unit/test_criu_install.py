@@ -1,6 +1,7 @@
-"""Tests of CRIU provisioning: the lock, bundles, the private prefix, locate() and the apt source parsing.
+"""Tests of CRIU provisioning: the lock, bundles, the private prefix (with its iproute2), locate() and the
+apt source parsing.
 
-One real bundle is downloaded per session (about 9 MB from the Debian mirror this machine's apt uses) and
+One real bundle is downloaded per session (about 16 MB from the Debian mirror this machine's apt uses) and
 every install test installs from it into its own temporary $CRYOSLEEP_HOME. Installing runs `criu check`,
 which needs root.
 """
@@ -12,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -19,17 +21,19 @@ import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cryosleep import paths
 from cryosleep.capture import criu_install as ci
-from cryosleep.errors import CriuUnavailable, CryosleepError
+from cryosleep.errors import CriuUnavailable, CryosleepError, IprouteUnavailable
+from cryosleep.net.host import Host, NetError
 
 needs_apt = pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt-get to download packages")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="criu check needs root")
 
-ENV_VARS = ("CRYOSLEEP_HOME", "CRYOSLEEP_CRIU", "CRYOSLEEP_CRIU_ROOT", "CRYOSLEEP_DEBIAN_MIRROR")
+ENV_VARS = ("CRYOSLEEP_HOME", "CRYOSLEEP_CRIU", "CRYOSLEEP_CRIU_ROOT", "CRYOSLEEP_DEBIAN_MIRROR", "CR_IP_TOOL")
 
 
 @pytest.fixture(autouse=True)
@@ -92,14 +96,14 @@ def _rewrite_bundle(src: Path, dst: Path, edit: dict[str, bytes]) -> None:
 # ------------------------------------------------------------------------------------------------- lock
 
 
-def test_lock_pins_criu_and_nft_closure() -> None:
+def test_lock_pins_criu_nft_and_iproute2_closure() -> None:
     lock = ci.load_lock()
     names = {p.name for p in lock.packages}
     assert lock.suite == "unstable"
     assert lock.criu_version == "4.2.1-1"
     assert lock.upstream_version == "4.2.1"
-    assert {"criu", "nftables", "libc6", "libnftables1", "libcompel1"} <= names
-    assert "iproute2" not in names
+    assert {"criu", "nftables", "iproute2", "libc6", "libnftables1", "libcompel1", "libbpf1"} <= names
+    assert lock.raw["roots"] == list(ci.ROOT_PACKAGES)
     assert len(names) == len(lock.packages)
     for p in lock.packages:
         assert len(p.sha256) == 64 and p.size > 0
@@ -166,6 +170,154 @@ def test_reinstall_is_idempotent_and_force_replaces(bundle: Path) -> None:
     forced = ci.install(bundle=bundle, force=True)
     assert forced == first and marker.stat().st_ino != inode
     assert not [p for p in paths.criu_root().iterdir() if p.name.startswith((".install-", ".old-"))]
+
+
+# --------------------------------------------------------------------------------------------- iproute2
+
+
+def _bin_dir(tmp_path: Path, name: str, **links: str | Path) -> Path:
+    """A directory holding only ``links`` (program name -> target), to serve as the whole PATH."""
+    d = tmp_path / name
+    d.mkdir()
+    for prog, target in links.items():
+        (d / prog).symlink_to(target)
+    return d
+
+
+def _ip_json(argv: tuple[str, ...] | list[str], *args: str) -> list[dict[str, Any]]:
+    r = subprocess.run([*argv, "-j", *args], capture_output=True, text=True, timeout=30, check=False)
+    assert r.returncode == 0, r.stderr
+    out: list[dict[str, Any]] = json.loads(r.stdout or "[]")
+    return out
+
+
+# Found while PATH is still the real one: the iproute2 tests run with a PATH that lacks ip.
+TOOLS = {t: shutil.which(t) or "" for t in ("unshare", "setsid", "sleep", "nsenter")}
+needs_tools = pytest.mark.skipif(not all(TOOLS.values()), reason=f"needs {', '.join(TOOLS)} (util-linux)")
+
+
+def _netns_process(*opts: str) -> tuple[subprocess.Popen[bytes], int]:
+    """``unshare --net`` (and the other ``opts``) running sleep; (the unshare process, the pid whose network
+    namespace is the new one: with ``--fork``, unshare's child, made a session leader like a sandbox init)."""
+    fork = "--fork" in opts
+    cmd = [TOOLS["unshare"], *opts, "--", *([TOOLS["setsid"]] if fork else []), TOOLS["sleep"], "120"]
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 5
+    while True:
+        pid: int | None = p.pid
+        if fork:  # unshare itself enters the new network namespace too, but only its child the PID one
+            kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+            pid = int(kids[0]) if kids else None
+        if pid is not None and os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net"):
+            return p, pid
+        assert time.monotonic() < end, "unshare did not make a network namespace"
+        time.sleep(0.01)
+
+
+@needs_root
+@needs_tools
+def test_prefix_ip_runs_and_stands_in_for_a_missing_system_ip(
+    bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    criu = ci.install(bundle=bundle)
+    assert criu.prefix is not None
+    wrapper = criu.prefix / ci.WRAPPERS_DIR / "ip"
+    version = subprocess.run([str(wrapper), "-V"], capture_output=True, text=True, env={}, check=False)
+    assert version.returncode == 0 and "iproute2-" in version.stdout, version.stderr
+    assert "lo" in {x["ifname"] for x in _ip_json([str(wrapper)], "link", "show")}
+    assert isinstance(_ip_json([str(criu.prefix / ci.WRAPPERS_DIR / "bridge")], "link", "show"), list)
+
+    # A system ip on PATH wins (a link to the wrapper stands for it, so that this runs on any machine).
+    nsenter = TOOLS["nsenter"]
+    system = _bin_dir(tmp_path, "system-bin", ip=wrapper, nsenter=nsenter)
+    monkeypatch.setenv("PATH", str(system))
+    assert ci.iproute_argv("ip") == (str(system / "ip"),)
+    assert ci.ip_tool() == str(system / "ip") == criu.env()["CR_IP_TOOL"]
+
+    # No ip on PATH: the prefix's, run through the prefix's loader exactly like its criu.
+    bare = _bin_dir(tmp_path, "bare-bin", nsenter=nsenter)
+    monkeypatch.setenv("PATH", str(bare))
+    for tool in ci.IPROUTE_TOOLS:
+        argv = ci.iproute_argv(tool)
+        assert argv[:3] == criu.argv[:3] and Path(argv[3]).name == tool
+        assert Path(argv[3]).is_relative_to(criu.prefix)
+    addrs = _ip_json(ci.iproute_argv("ip"), "addr", "show", "lo")
+    assert "127.0.0.1" in {a["local"] for link in addrs for a in link["addr_info"]}
+    assert ci.ip_tool() == str(wrapper) == criu.env()["CR_IP_TOOL"]
+    assert criu.env({"CR_IP_TOOL": "/opt/ip"})["CR_IP_TOOL"] == "/opt/ip"  # the user's choice is kept
+
+    # The job network code runs it the same way, also inside another namespace (through nsenter).
+    proc, pid = _netns_process("--net")
+    try:
+        assert [x["ifname"] for x in Host(pid).links()] == ["lo"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@needs_root
+@needs_tools
+def test_criu_dumps_and_restores_a_netns_with_the_prefix_ip(
+    bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRIU runs $CR_IP_TOOL to save and restore a namespace's addresses and routes; with no ip on PATH it
+    fails ("IP tool failed on addr save") unless the variable names the prefix's wrapper."""
+    criu = ci.install(bundle=bundle)
+    assert criu.prefix is not None
+    monkeypatch.setenv("PATH", str(_bin_dir(tmp_path, "bare-bin", nsenter=TOOLS["nsenter"])))
+    assert criu.env()["CR_IP_TOOL"] == str(criu.prefix / ci.WRAPPERS_DIR / "ip")
+    images = tmp_path / "images"
+    images.mkdir()
+    proc, init = _netns_process("--pid", "--net", "--fork")
+    restored: int | None = None
+    try:
+        sandbox = Host(init)
+        sandbox.ip("link", "set", "lo", "up", what="loopback up")
+        sandbox.ip("addr", "add", "10.9.8.7/32", "dev", "lo", what="a test address")
+        sandbox.ip("route", "add", "10.77.0.0/16", "dev", "lo", what="a test route")
+        r = criu.run(["dump", "-t", str(init), "-D", str(images), "-o", "dump.log", "-v4",
+                      "--network-lock", "nftables"])
+        log = (images / "dump.log").read_text()
+        assert r.returncode == 0, log[-3000:]
+        assert "Running ip addr save" in log and "IP tool failed" not in log
+        proc.wait(timeout=10)
+        r = criu.run(["restore", "-D", str(images), "-o", "restore.log", "-v4", "--restore-detached",
+                      "--pidfile", str(images / "pid")])
+        assert r.returncode == 0, (images / "restore.log").read_text()[-3000:]
+        restored = int((images / "pid").read_text())
+        after = Host(restored)
+        addrs = json.loads(after.ip("-j", "addr", "show", "lo", what="the restored addresses"))
+        assert "10.9.8.7" in {a["local"] for link in addrs for a in link["addr_info"]}
+        assert "10.77.0.0/16 dev lo" in after.ip("route", "show", what="the restored routes")
+    finally:
+        if proc.poll() is None:  # not dumped (a dump ends it): end the sandbox by its PID 1, unshare's child
+            os.kill(init, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+        if restored is not None:
+            os.kill(restored, signal.SIGKILL)
+
+
+def test_no_ip_anywhere_says_what_failed_and_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _empty_path(tmp_path, monkeypatch)
+    prefix = ci.load_lock().prefix_dir()
+    with pytest.raises(IprouteUnavailable) as info:
+        ci.iproute_argv("ip")
+    e = info.value
+    assert "ip" in e.what and "no ip on PATH" in e.why and str(prefix) in e.why
+    assert "cryosleep criu install" in e.hint and "--bundle" in e.hint and "iproute2" in e.hint
+    with pytest.raises(NetError) as net:
+        Host().links()
+    assert net.value.what == "cannot list network interfaces"
+    assert "no ip on PATH" in net.value.why and net.value.hint == e.hint
+    assert ci.ip_tool() is None
+    assert "CR_IP_TOOL" not in ci.Criu(("criu",), None, "4.2.1", "system", None).env({})
+    # A prefix installed from an older lock, without iproute2, is named as such.
+    prefix.mkdir(parents=True)
+    (prefix / ci.MARKER_NAME).write_text("{}")
+    with pytest.raises(IprouteUnavailable, match="iproute2") as info:
+        ci.iproute_argv("bridge")
+    assert "older lock" in info.value.why and ci.ip_tool() is None
 
 
 def test_tampered_deb_is_refused_and_nothing_installed(
@@ -250,8 +402,7 @@ def test_update_lock_resolves_closure(tmp_path: Path) -> None:
     out = ci.update_lock(out=tmp_path / "new.lock.json")
     new = ci.load_lock(out)
     names = {p.name for p in new.packages}
-    assert {"criu", "nftables", "libc6", "libnftables1"} <= names
-    assert "iproute2" not in names
+    assert {"criu", "nftables", "iproute2", "libc6", "libnftables1"} <= names
     assert new.suite == "unstable" and new.criu_version.startswith("4.")
     # The archive moves; the names of what criu + nft need move much more slowly.
     assert names == {p.name for p in ci.load_lock().packages}

@@ -10,9 +10,18 @@ of the system (its apt state, its libraries) is touched.
 
 What gets installed is pinned by ``criu.lock.json`` next to this file: the name, version, pool filename,
 SHA-256 and size of every .deb (criu, nftables for the ``nft`` binary that removes a CRIU network-lock
-table left by a killed dump, and their dependencies). Every file is checked against the lock before
-anything is unpacked, so the lock, not the network, is the root of trust. ``update-lock`` regenerates it
-from the archive when the pinned versions are superseded.
+table left by a killed dump, iproute2 for ``ip`` and ``bridge``, and their dependencies). Every file is
+checked against the lock before anything is unpacked, so the lock, not the network, is the root of trust.
+``update-lock`` regenerates it from the archive when the pinned versions are superseded, or when
+``ROOT_PACKAGES`` changes.
+
+iproute2 is in the prefix because some machines have none (the GPU machines: Ubuntu without iproute2)
+and both the job network (``net/host.py``) and CRIU need it: CRIU execs ``$CR_IP_TOOL`` (default ``ip``
+on PATH) to save and restore a network namespace's addresses and routes (criu/net.c, ``run_ip_tool``).
+:func:`iproute_argv` is how Cryosleep runs ``ip``/``bridge`` (the system's, else the prefix's through its
+loader), and every CRIU run gets ``CR_IP_TOOL`` from :func:`ip_tool`. CRIU execs that variable as one
+program path, so the install writes ``PREFIX/wrappers/ip`` (and ``bridge``): a shell script that execs the
+prefix's loader with the binary and ``"$@"``.
 
 Machines without registry access (the GPU machines) install from an offline *bundle*: a tar of the pinned
 .debs plus the lock, made with :func:`make_bundle` on a machine that has access.
@@ -40,22 +49,24 @@ import os
 import platform
 import pwd
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from cryosleep import paths
-from cryosleep.errors import CriuUnavailable, CryosleepError
+from cryosleep.errors import CriuUnavailable, CryosleepError, IprouteUnavailable
 
 __all__ = [
+    "IPROUTE_TOOLS",
     "LOCK_PATH",
     "Criu",
     "Lock",
@@ -65,6 +76,8 @@ __all__ = [
     "ProgressFn",
     "debian_mirror",
     "install",
+    "ip_tool",
+    "iproute_argv",
     "load_lock",
     "locate",
     "main",
@@ -81,10 +94,17 @@ LOCK_PATH = Path(__file__).with_name("criu.lock.json")
 LOCK_MEMBER = "criu.lock.json"  # the lock's name inside a bundle
 MARKER_NAME = ".cryosleep-installed.json"
 
-# What the prefix must provide: criu itself, and nft to clean up a network-lock table after a killed dump.
-ROOT_PACKAGES = ("criu", "nftables")
-# Never followed while resolving (criu only recommends iproute2; Cryosleep does not use it from the prefix).
-EXCLUDED_PACKAGES = frozenset({"iproute2"})
+# What the prefix must provide: criu itself, nft to clean up a network-lock table after a killed dump, and
+# iproute2 (ip, bridge) for the job network and for CRIU's own ``ip addr/route save|restore`` on machines
+# that have no iproute2.
+ROOT_PACKAGES = ("criu", "nftables", "iproute2")
+# Packages never taken nor followed while resolving (none today; the closure is what apt would install).
+EXCLUDED_PACKAGES: frozenset[str] = frozenset()
+# The iproute2 programs Cryosleep runs, and where the install puts a wrapper script for each in the prefix.
+IPROUTE_TOOLS = ("ip", "bridge")
+WRAPPERS_DIR = "wrappers"
+# Where a .deb may put a program, searched in this order.
+_BIN_DIRS = ("usr/sbin", "usr/bin", "sbin", "bin")
 DEFAULT_SUITE = "unstable"
 # The oldest CRIU that dumps inet sockets on the kernels we target; a system criu older than this is skipped.
 MIN_VERSION = (4, 2)
@@ -150,8 +170,18 @@ class Criu:
             )
         return [*self.nft_argv, *args]
 
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment every CRIU run gets: ``base`` (default: this process's) with ``CR_IP_TOOL`` set to
+        an ``ip`` that runs here (:func:`ip_tool`), because CRIU execs that variable (default: ``ip`` on PATH)
+        to dump and restore a network namespace and the machine may have no iproute2. A ``CR_IP_TOOL``
+        already in ``base`` is kept: the user chose it. Without any ``ip`` the variable is left unset, and
+        only a CRIU run that needs one fails (the job network fails first, with :func:`iproute_argv`'s
+        error)."""
+        return _criu_env(base)
+
     def run(self, args: Sequence[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         """Run ``criu ARGS``; by default captures text output and does not raise on a non-zero exit."""
+        kw["env"] = self.env(kw.get("env"))
         kw.setdefault("text", True)
         if "stdout" not in kw and "stderr" not in kw:
             kw.setdefault("capture_output", True)
@@ -161,7 +191,7 @@ class Criu:
 
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``: (passed, its combined output). Never raises."""
-        return _criu_check(self.argv)
+        return _criu_check(self.argv, self.env())
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -460,8 +490,9 @@ def debian_mirror(apt_etc: Path = Path("/etc/apt")) -> Mirror:
 # ---------------------------------------------------------------------------------------- private apt
 
 
-def _run(cmd: Sequence[str], *, cwd: Path | None = None, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, LC_ALL="C", LANG="C", LANGUAGE="C")
+def _run(cmd: Sequence[str], *, cwd: Path | None = None, timeout: float,
+         env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ if env is None else env, LC_ALL="C", LANG="C", LANGUAGE="C")
     return subprocess.run(
         list(cmd), cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout, check=False
     )
@@ -726,7 +757,7 @@ def _extract_deb(deb: Path, dest: Path, *, use_dpkg: bool | None = None) -> None
 def _version_of(argv: Sequence[str]) -> str | None:
     """What ``criu --version`` reports ("4.2.1"), or None when it does not run or says nothing usable."""
     try:
-        r = _run([*argv, "--version"], timeout=30)
+        r = _run([*argv, "--version"], timeout=30, env=_criu_env())
     except (OSError, subprocess.SubprocessError):
         return None
     m = re.search(r"Version:\s*(\S+)", r.stdout + r.stderr)
@@ -737,9 +768,34 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
 
 
-def _criu_check(argv: Sequence[str]) -> tuple[bool, str]:
+def _ip_version(argv: Sequence[str]) -> str:
+    """What ``ip -V`` of the unpacked prefix says; raises CriuUnavailable when it does not run."""
     try:
-        r = _run([*argv, "check"], timeout=_CHECK_TIMEOUT_S)
+        r = _run([*argv, "-V"], timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        r = subprocess.CompletedProcess(list(argv), 127, "", str(e))
+    if r.returncode != 0 or "iproute2" not in r.stdout + r.stderr:
+        raise CriuUnavailable(
+            "the unpacked iproute2 does not run",
+            f"{' '.join(argv)} -V: {_output(r) or f'exit code {r.returncode}'}",
+            "report this; meanwhile install the system's iproute2 package, which Cryosleep prefers",
+        )
+    return _output(r).splitlines()[0].strip()
+
+
+def _criu_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with CRIU's ``CR_IP_TOOL``: see :meth:`Criu.env`."""
+    env = dict(os.environ if base is None else base)
+    if not env.get("CR_IP_TOOL"):
+        tool = ip_tool()
+        if tool is not None:
+            env["CR_IP_TOOL"] = tool
+    return env
+
+
+def _criu_check(argv: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    try:
+        r = _run([*argv, "check"], timeout=_CHECK_TIMEOUT_S, env=_criu_env() if env is None else env)
     except (OSError, subprocess.SubprocessError) as e:
         return False, f"could not run {' '.join(argv)} check: {e}"
     return r.returncode == 0, _output(r)
@@ -755,15 +811,18 @@ def _verdict(output: str) -> str:
 # ------------------------------------------------------------------------------------- the private prefix
 
 
-def _prefix_argv(prefix: Path, arch: _Arch, binary: str) -> tuple[str, ...]:
-    """Run ``binary`` of the prefix through the prefix's own loader: its libc is newer than the system's."""
-    libdirs = [
-        d for d in (prefix / "usr/lib" / arch.multiarch, prefix / "lib" / arch.multiarch) if d.is_dir()
-    ]
-    loader = next((d / arch.loader for d in libdirs if (d / arch.loader).exists()), None)
+def _prefix_argv(prefix: Path, arch: _Arch, binary: str, *, at: Path | None = None) -> tuple[str, ...]:
+    """Run ``binary`` of the prefix through the prefix's own loader: its libc is newer than the system's.
+
+    ``at``: where the prefix will be when the command runs, when it is still being built elsewhere (the
+    install's staging tree); the layout is read from ``prefix``, the paths point into ``at``."""
+    at = prefix if at is None else at
+    rels = [Path("usr/lib") / arch.multiarch, Path("lib") / arch.multiarch]
+    libdirs = [r for r in rels if (prefix / r).is_dir()]
+    loader = next((d / arch.loader for d in libdirs if (prefix / d / arch.loader).exists()), None)
     if loader is None:
-        loader = prefix / "usr/lib" / arch.multiarch / arch.loader
-    return (str(loader), "--library-path", ":".join(str(d) for d in libdirs), str(prefix / binary))
+        loader = rels[0] / arch.loader
+    return (str(at / loader), "--library-path", ":".join(str(at / d) for d in libdirs), str(at / binary))
 
 
 def _read_marker(prefix: Path) -> dict[str, Any] | None:
@@ -799,6 +858,97 @@ def _installed_prefix(lock: Lock) -> tuple[Criu | None, str]:
     if missing:
         return None, f"the private CRIU at {prefix} is damaged ({', '.join(missing)} missing)"
     return criu, ""
+
+
+# --------------------------------------------------------------------------------------------- iproute2
+
+
+def _prefix_program(prefix: Path, tool: str) -> str | None:
+    """Where the prefix's .debs put ``tool``, relative to the prefix (None: not there)."""
+    return next((f"{d}/{tool}" for d in _BIN_DIRS if (prefix / d / tool).is_file()), None)
+
+
+def _wrapper_script(argv: Sequence[str]) -> str:
+    return (
+        "#!/bin/sh\n"
+        "# Written by `cryosleep criu install`: runs this program of Cryosleep's private prefix through the\n"
+        "# prefix's own loader, whose libc is newer than the system's. CRIU runs the ip one as $CR_IP_TOOL.\n"
+        f"exec {' '.join(shlex.quote(a) for a in argv)} \"$@\"\n"
+    )
+
+
+def _write_wrappers(tree: Path, final: Path, arch: _Arch) -> dict[str, tuple[str, ...]]:
+    """Write ``WRAPPERS_DIR/<tool>`` into the staging ``tree`` for each iproute2 program, pointing at the
+    prefix's final place ``final``; returns how to run each one in ``tree`` (to try it before the swap)."""
+    out: dict[str, tuple[str, ...]] = {}
+    wrappers = tree / WRAPPERS_DIR
+    wrappers.mkdir(exist_ok=True)
+    for tool in IPROUTE_TOOLS:
+        rel = _prefix_program(tree, tool)
+        if rel is None:
+            raise CriuUnavailable(
+                f"the pinned packages hold no {tool} program",
+                f"none of {', '.join(f'{d}/{tool}' for d in _BIN_DIRS)} exists after unpacking iproute2",
+                "report this: the iproute2 package changed its layout; regenerate the lock and adapt _BIN_DIRS",
+            )
+        script = wrappers / tool
+        script.write_text(_wrapper_script(_prefix_argv(tree, arch, rel, at=final)))
+        script.chmod(0o755)
+        out[tool] = _prefix_argv(tree, arch, rel)
+    return out
+
+
+def _iproute_why_not(tool: str) -> tuple[tuple[str, ...] | None, str]:
+    """How to run the pinned prefix's ``tool`` through its loader, or (None, why not)."""
+    lock, problem = _try_load_lock()
+    if lock is None:
+        return None, problem
+    prefix = lock.prefix_dir()
+    if _read_marker(prefix) is None:
+        return None, f"no private CRIU prefix at {prefix} (it carries iproute2)"
+    rel = _prefix_program(prefix, tool)
+    if rel is None:
+        return None, (
+            f"the private CRIU prefix at {prefix} has no {tool}: it was installed from an older lock, "
+            "without iproute2"
+        )
+    return _prefix_argv(prefix, _arch_for(lock.architecture), rel), ""
+
+
+def iproute_argv(tool: str = "ip") -> tuple[str, ...]:
+    """The argv prefix that runs iproute2's ``tool`` (``ip`` or ``bridge``) on this machine: the system's
+    when it is on PATH, else the private prefix's, through the prefix's loader the way criu itself is run.
+
+    Raises IprouteUnavailable, saying what is missing and how to get it, when there is neither."""
+    if tool not in IPROUTE_TOOLS:
+        raise ValueError(f"not an iproute2 program Cryosleep runs: {tool!r}")
+    system = shutil.which(tool)
+    if system is not None:
+        return (system,)
+    argv, why = _iproute_why_not(tool)
+    if argv is not None:
+        return argv
+    raise IprouteUnavailable(
+        f"iproute2's {tool} is not available on this machine",
+        f"no {tool} on PATH ({os.environ.get('PATH', '')}); {why}",
+        "install Cryosleep's private CRIU prefix, which carries iproute2: `cryosleep criu install` (as "
+        "root), or on a machine without registry access `cryosleep criu install --bundle FILE` with a bundle "
+        "made elsewhere by `cryosleep criu bundle FILE`; or install the system's iproute2 package",
+    )
+
+
+def ip_tool() -> str | None:
+    """One executable path for CRIU's ``$CR_IP_TOOL`` (CRIU execs it as a single program, so the prefix's
+    ``ip`` is given as its wrapper script): the system's ``ip`` on PATH, else ``PREFIX/wrappers/ip``;
+    None when there is neither."""
+    system = shutil.which("ip")
+    if system is not None:
+        return system
+    lock, _ = _try_load_lock()
+    if lock is None or _read_marker(lock.prefix_dir()) is None:
+        return None
+    wrapper = lock.prefix_dir() / WRAPPERS_DIR / "ip"
+    return str(wrapper) if os.access(wrapper, os.X_OK) else None
 
 
 # ------------------------------------------------------------------------------------------------ locate
@@ -910,6 +1060,11 @@ def status() -> dict[str, object]:
         out["pinned_prefix_current"] = marker is not None and marker.get("lock_sha256") == lock.digest
     else:
         out["lock_error"] = problem
+    try:
+        out["ip"] = list(iproute_argv("ip"))
+    except CryosleepError as e:
+        out["ip"] = e.to_json()
+    out["cr_ip_tool"] = _criu_env().get("CR_IP_TOOL")
     try:
         criu = locate(refresh=True)
     except CryosleepError as e:
@@ -1081,6 +1236,9 @@ def install(*, bundle: Path | None = None, force: bool = False, progress: Progre
             tree.mkdir()
             for p in lock.packages:
                 _extract_deb(debs[p.name], tree)
+            iproute = _write_wrappers(tree, final, _arch_for(lock.architecture))
+            ip_version = _ip_version(iproute["ip"])
+            say(f"iproute2: {ip_version}")
             criu = _prefix_criu(tree, lock)
             version = _version_of(criu.argv)
             if version is None:
@@ -1108,6 +1266,7 @@ def install(*, bundle: Path | None = None, force: bool = False, progress: Progre
                 "source": source,
                 "installed_at": datetime.now(UTC).isoformat(timespec="seconds"),
                 "check": _verdict(output),
+                "iproute2": ip_version,
             }
             (tree / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
             tree.chmod(0o755)
@@ -1170,7 +1329,7 @@ def make_bundle(out: Path, *, progress: Progress | None = None) -> Path:
 def update_lock(
     *, out: Path | None = None, suite: str | None = None, progress: Progress | None = None
 ) -> Path:
-    """Re-pin the lock to what the archive serves now: resolve criu + nftables and their Depends closure
+    """Re-pin the lock to what the archive serves now: resolve ``ROOT_PACKAGES`` and their Depends closure
     in ``suite`` (default: the current lock's, else unstable) and record each .deb's version, pool
     filename, size and SHA-256 from the signed package index. Writes ``out`` (default: the shipped lock)."""
     say = progress or _quiet

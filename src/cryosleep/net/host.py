@@ -1,9 +1,12 @@
 """The job network on one host: the job's bridge, each sandbox's veth, the VXLAN overlay to other hosts.
 
-Everything is done with iproute2 (``ip``, ``bridge``), which CRIU itself needs on the machine (it saves and
-restores a namespace's addresses and routes with ``ip``). A :class:`Host` acts on the network namespace it
-is given (``ns_pid``: any process in it) or on the caller's own: tests use network namespaces as simulated
-hosts, and a real agent simply runs in its host's namespace.
+Everything is done with iproute2 (``ip``, ``bridge``), which CRIU itself needs on the machine too (it saves
+and restores a namespace's addresses and routes with ``ip``): the system's when it is on PATH, else the copy
+in Cryosleep's private CRIU prefix (``criu_install.iproute_argv``; the GPU machines have no iproute2).
+
+A :class:`Host` acts on the network namespace it is given (``ns_pid``: any process in it) or on the
+caller's own: tests use network namespaces as simulated hosts, and a real agent simply runs in its host's
+namespace.
 
     bridge    one per job per host (``JobNet.bridge``), no address: it only switches the job's frames
     veth      one per sandbox: the host end (``csv...``) is a port of the bridge, the other end is moved into
@@ -26,12 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cryosleep.errors import CryosleepError
+from cryosleep.capture.criu_install import iproute_argv
+from cryosleep.errors import CryosleepError, IprouteUnavailable
 from cryosleep.net.plan import VXLAN_PORT, JobNet
 
 __all__ = ["Host", "NetError"]
 
-HINT = "run as root on Linux with iproute2 and the veth, bridge and vxlan kernel modules; `cryosleep check`"
+HINT = "run as root on Linux with the veth, bridge and vxlan kernel modules; `cryosleep check`"
 ZERO_MAC = "00:00:00:00:00:00"
 
 
@@ -52,9 +56,13 @@ class Host:
 
     def run(self, tool: str, *args: str, what: str, ns_pid: int | None = None, ok_if: Sequence[str] = (),
             hint: str = HINT) -> str:
-        """Run ``tool ARGS`` in this host's namespace (or in ``ns_pid``'s); a failure whose message contains
-        one of ``ok_if`` is not one."""
-        cmd = [*self._prefix(ns_pid if ns_pid is not None else self.ns_pid), tool, *args]
+        """Run iproute2's ``tool`` (``ip``, ``bridge``) with ``ARGS`` in this host's namespace (or in
+        ``ns_pid``'s); a failure whose message contains one of ``ok_if`` is not one."""
+        try:
+            program = iproute_argv(tool)
+        except IprouteUnavailable as e:
+            raise NetError(what, f"{e.what}: {e.why}", e.hint) from None
+        cmd = [*self._prefix(ns_pid if ns_pid is not None else self.ns_pid), *program, *args]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
