@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/dedup.py [--mem-mb 512] [--nproc 2] [--specs fixed:4M cdc:1M ...] [--s3]
     sudo .venv/bin/python bench/dedup.py --images SNAPDIR1 SNAPDIR2     (two snapshot directories you have)
+    sudo python3 bench/dedup.py --gpu-hidden 16384 --levels 1 3         (a GPU job, on the GPU machine)
 
 Without --images it starts tests/jobs/workloads/ddp_basic.py (gloo DDP, --nproc ranks, --mem-mb of extra
 state per rank, identical on every rank like a data-parallel replica's weights) under `cryosleep run`, takes
@@ -39,6 +40,7 @@ from _cli import cli  # bench/ is on sys.path when a script here is run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
+GPU_WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 sys.path.insert(0, str(ROOT / "src"))
 
 from cryosleep.store.backend import LocalBackend  # noqa: E402
@@ -50,15 +52,16 @@ MiB = 1 << 20
 
 
 
-def make_images(tmp: Path, mem_mb: int, nproc: int) -> list[Path]:
+def make_images(tmp: Path, mem_mb: int, nproc: int, gpu_hidden: int = 0) -> list[Path]:
     store = tmp / "store"
     env = dict(os.environ, CRYOSLEEP_HOME=str(tmp / "home"), CRYOSLEEP_STORE=str(store))
     from cryosleep import paths
 
     env.setdefault("CRYOSLEEP_CRIU_ROOT", str(paths.criu_root()))
     name = "dedup"
-    cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(nproc), str(WORKLOAD), "--steps", "100000",
-        "--step-sleep", "0.05", "--mem-mb", str(mem_mb))
+    job = [str(GPU_WORKLOAD), "--hidden", str(gpu_hidden)] if gpu_hidden else [str(WORKLOAD), "--mem-mb", str(mem_mb)]
+    cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(nproc), *job, "--steps", "100000",
+        "--step-sleep", "0.05")
     log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
     end = time.monotonic() + 600
     while not (log.exists() and log.read_text().count("\n") >= 5):
@@ -140,6 +143,8 @@ def main() -> None:
     p.add_argument("--mem-mb", type=int, default=512)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--images", type=Path, nargs=2, help="two snapshot directories instead of a fresh job")
+    p.add_argument("--gpu-hidden", type=int, default=0,
+                   help="a GPU job instead: tests/gpu/workloads/cuda_train.py (DDP over NCCL) with this MLP width")
     p.add_argument("--specs", nargs="+", default=["fixed:1M", "fixed:4M", "fixed:16M", "cdc:256K", "cdc:1M",
                                                   "cdc:4M", "cdc4k:256K", "cdc4k:1M", "cdc4k:4M"])
     p.add_argument("--s3", action="store_true", help="also store into the loopback S3 server")
@@ -150,7 +155,7 @@ def main() -> None:
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cryosleep-dedup-"))
     try:
-        snaps = a.images or make_images(tmp, a.mem_mb, a.nproc)
+        snaps = a.images or make_images(tmp, a.mem_mb, a.nproc, a.gpu_hidden)
         files = [image_files(s) for s in snaps]
         sizes = [sum(f.stat().st_size for f in fs) for fs in files]
         pages = sorted((f for f in files[0] if f.name.startswith("pages-")), key=lambda f: f.stat().st_size)

@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 
 
-def run(home: Path, name: str, steps: int, intercept: bool) -> tuple[float, list[str]]:
+def run(home: Path, name: str, steps: int, intercept: bool, extra: list[str]) -> tuple[float, list[str]]:
     env = dict(os.environ, CRYOSLEEP_HOME=str(home))
     flags = [] if intercept else ["--no-interceptor"]
     res = subprocess.run([sys.executable, "-m", "cryosleep.cli.main", "run", "--nproc-per-node", "2", "--name", name,
-                          *flags, str(WORKLOAD), "--steps", str(steps), "--step-sleep", "0", "--hidden", "4096"],
+                          *flags, str(WORKLOAD), "--steps", str(steps), "--step-sleep", "0", *extra],
                          capture_output=True, text=True, env=env, check=False)
     if res.returncode != 0:
         raise SystemExit(f"run failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
@@ -41,7 +41,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--async-groups", action="store_true", help="the two-process-group job of issue 3's point 2")
     a = p.parse_args()
+    extra = ["--hidden", str(a.hidden), *(["--async-groups"] if a.async_groups else [])]
     home = Path(tempfile.mkdtemp(prefix="cryosleep-overhead-"))
     os.environ.setdefault("CRYOSLEEP_CRIU_ROOT", "/var/lib/cryosleep/criu")
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -51,7 +54,7 @@ def main() -> None:
         order = (True, False) if i % 2 == 0 else (False, True)  # alternate who goes first: drift cancels
         got = {}
         for intercept in order:
-            t, ls = run(home, f"oh{i}{int(intercept)}", a.steps, intercept)
+            t, ls = run(home, f"oh{i}{int(intercept)}", a.steps, intercept, extra)
             times[intercept].append(t)
             losses[intercept] = ls
             got[intercept] = t

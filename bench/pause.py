@@ -2,12 +2,15 @@
 
     sudo .venv/bin/python bench/pause.py [--mem-mb 0 2048] [--nproc 2] [--store-parent /dev/shm]
     sudo python3 bench/pause.py --gpu --mem-mb 2048 8192 24576 --nproc 1     (on a GPU machine)
+    sudo python3 bench/pause.py --gpu --mem-mb 8192 --paths fast plain         (the fast path and the plain one)
 
 For each size it starts ddp_basic (gloo DDP, AdamW; with --gpu: tests/gpu/workloads/cuda_train.py, its
 extra state in device memory) with that much extra state per rank under
 `cryosleep run`, takes ``--keep`` keep-running snapshots (2) and a stop snapshot, restores, and prints one
 markdown row per snapshot: pause, each phase, image bytes and the workers' resident memory; for the restore,
-the time from `cryosleep restore` to the job's next step line. It uses its own
+the time from `cryosleep restore` to the job's next step line. ``--paths``: the fast path (`run --fast-path`: the
+interceptor moves device memory itself) and/or the plain path (the CUDA driver's own checkpoint copies it),
+one after the other for each size. It uses its own
 CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
 """
 
@@ -39,27 +42,31 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="a CUDA job, its extra state on the GPU")
     p.add_argument("--keep", type=int, default=2, help="keep-running snapshots before the stop snapshot")
     p.add_argument("--restore-gpu-map", default="", help="restore the stop snapshot with this --gpu-map")
+    p.add_argument("--paths", nargs="+", choices=["fast", "plain"], default=["fast"],
+                   help="capture paths to measure, each in its own run (docs/interceptor.md, 'The fast path')")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cryosleep-bench-"))
     store = Path(tempfile.mkdtemp(prefix="cryosleep-bench-store-", dir=a.store_parent))
     env = dict(os.environ, CRYOSLEEP_HOME=str(tmp / "home"), CRYOSLEEP_STORE=str(store))
     from cryosleep import paths
+    from cryosleep.agent.job import JobDir
 
     env.setdefault("CRYOSLEEP_CRIU_ROOT", str(paths.criu_root()))
     rows = []
     try:
-        for mem in a.mem_mb:
-            name = f"bench{mem}"
+        for mem, path in [(m, x) for m in a.mem_mb for x in a.paths]:
+            name = f"bench{mem}{path}"
+            flags = ["--fast-path"] if path == "fast" else []
             if a.gpu:
                 job = [str(GPU_WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-gib", str(mem / 1024)]
             else:
                 job = [str(WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem)]
-            cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), *job)
+            cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), *flags, *job)
             log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
             wait_lines(log, 5)
             for kind in ["keep-running"] * a.keep + ["stop"]:
                 res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []))
-                rows.append((mem, kind, res))
+                rows.append((mem, f"{kind} ({path})", res))
                 if kind != "stop":
                     cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
                 time.sleep(1)
@@ -70,22 +77,26 @@ def main() -> None:
             restored = cli(env, "restore", "--detach", *gmap, str(rows[-1][2]["snapshot"]))
             wait_lines(log, lines + 1, poll=0.005)
             restored["first_step_s"] = round(time.monotonic() - t0, 2)
-            rows.append((mem, "restore", restored))
+            rows.append((mem, f"restore ({path})", restored))
             wait_lines(log, lines + 3)
             subprocess.run(["pkill", "-9", "-f", "--", f"--name {name}"], check=False)
             st = json.loads((tmp / "home" / "jobs" / name / "job.json").read_text())["state"]
             os.kill(st["init_pid"], 9)
+            # its agent was killed too: the fast path's staging files (as large as the GPU memory) stay otherwise
+            shutil.rmtree(JobDir(name, tmp / "home" / "jobs").devmem, ignore_errors=True)
             time.sleep(1)
     finally:
-        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | phases (s) | image "
+        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | s/GiB | phases (s) | image "
               "| workers' RSS |")
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         for mem, kind, res in rows:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]
-            if kind == "restore":
-                print(f"| {mem} | restore (first step after {res['first_step_s']} s) | - | {phases} | - | - |")
+            if kind.startswith("restore"):
+                per = f"{res['first_step_s'] / (mem / 1024):.3f}" if mem else "-"
+                print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | {per} | {phases} | - | - |")
                 continue
-            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {phases} | {int(res['bytes']) / 2**20:.0f} MiB "  # type: ignore[call-overload]
+            per = f"{float(res['pause_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
+            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {phases} | {int(res['bytes']) / 2**20:.0f} MiB "  # type: ignore[call-overload]
                   f"| {int(res['rss_bytes']) / 2**20:.0f} MiB |")  # type: ignore[call-overload]
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)

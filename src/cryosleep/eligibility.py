@@ -71,14 +71,26 @@ def _criu() -> list[Check]:
     if os.geteuid() != 0:
         out.append(Check("criu check", False, "skipped: needs root"))
         return out
-    res = subprocess.run(criu.command("check"), capture_output=True, text=True, check=False)
+    res = subprocess.run(criu.command("check"), env=criu.env(), capture_output=True, text=True, check=False)
     text = (res.stdout + res.stderr).strip().splitlines()
     verdict = [ln for ln in text if "RLIMIT_NOFILE" not in ln and "kdat cache" not in ln]
     out.append(Check("criu check", res.returncode == 0, verdict[-1] if verdict else f"exit {res.returncode}"))
     out.append(Check("network lock", criu.nft_argv is not None,
                      "nftables (nft available to release a lock)" if criu.nft_argv else
                      "nft not found: a killed dump's network lock could not be removed"))
+    out.append(_iproute())
     return out
+
+
+def _iproute() -> Check:
+    """iproute2's ip: `--net job` and CRIU's dump and restore of a network namespace run it."""
+    from cryosleep.capture import criu_install
+
+    try:
+        ip = criu_install.iproute_argv("ip")
+    except CryosleepError as e:
+        return Check("iproute2", False, f"{e.what}: `--net job` cannot work; {e.hint}", fatal=False)
+    return Check("iproute2", True, f"ip: {ip[-1]}" + (" (private prefix)" if len(ip) > 1 else ""))
 
 
 # The driver's checkpoint API appeared in 550; restoring onto other GPUs (a UUID map) needs 570 or later.
@@ -199,6 +211,10 @@ def _gpu_process(pid: int, who: str) -> list[Check]:
     return out
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def interceptor_checks(blocks: Mapping[int, ControlBlock]) -> list[Check]:
     """What the workers' NCCL interceptors refuse: the feature flags they publish (docs/interceptor.md,
     "Check"), a block no control thread serves, and (a warning here, refused at the cut) user reduction
@@ -217,6 +233,12 @@ def interceptor_checks(blocks: Mapping[int, ControlBlock]) -> list[Check]:
             out.append(Check("nccl features", False,
                              f"rank {rank}: {b.premul_live} user reduction operator(s) (ncclRedOpCreatePreMulSum) "
                              "are alive now; a snapshot is refused if they still are at the cut", fatal=False))
+        dm = b.devmem
+        if dm.on:  # informational: what the fast path will move (docs/interceptor.md, "The fast path")
+            staged = f"a {_size(dm.stage_bytes)} staging file prepared" if dm.stage_bytes else (
+                "its staging file is made at the first snapshot (as much host memory, on /dev/shm)")
+            out.append(Check("fast path", True, f"rank {rank}: {_size(dm.bytes)} of device memory in {dm.count} "
+                             f"allocation(s) served by the interceptor; {staged}", fatal=False))
     return out
 
 

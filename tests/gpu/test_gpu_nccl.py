@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import require_criu
 from tests.gpu.test_gpu_cycle import WORKLOAD, gpu_count, identical
-from tests.jobs.harness import Harness
+from tests.jobs.harness import Harness, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")]
 
@@ -24,19 +24,23 @@ def h(cryo_home: Path) -> Harness:
     return Harness(cryo_home)
 
 
-@pytest.mark.parametrize("extra", [[], ["--async-groups"]], ids=["ddp", "two-groups-async"])
-def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, extra: list[str]) -> None:
+@pytest.mark.parametrize("extra,fast", [([], False), (["--async-groups"], False), ([], True)],
+                         ids=["ddp", "two-groups-async", "ddp-fast-path"])
+def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, extra: list[str], fast: bool) -> None:
     args = ["--steps", "300", "--step-sleep", "0.05", *extra]  # outlasts the snapshots (see test_gpu_cycle)
-    name = "nccl" + ("async" if extra else "")
-    h.run(name, WORKLOAD, args, nproc=2)
+    name = "nccl" + ("async" if extra else "") + ("fast" if fast else "")
+    h.run(name, WORKLOAD, args, nproc=2, flags=("--fast-path",) if fast else ())
     for step in (10, 15, 20):
         h.wait_step(name, step)
         s = h.snapshot(name)
         assert {"drain", "quiesce", "cuda-checkpoint", "dump", "rebuild"} <= set(s["phases"]), s["phases"]
+        assert fast == ({"offload", "reload"} <= set(s["phases"])), s  # the fast path moved device memory
     h.wait_step(name, 25)
     stop = h.snapshot(name, "--stop")
+    assert fast == ("offload" in stop["phases"]), stop
     assert h.wait_end(name) == 75
-    h.restore(stop["snapshot"])
+    r = h.restore(stop["snapshot"])
+    assert fast == ({"devmem", "reload"} <= set(r["phases"])), r
     assert h.wait_end(name) == 0
     identical(h, name, args, 2)
 
@@ -50,3 +54,25 @@ def test_two_rank_restore_with_ranks_swapped_across_gpus(h: Harness) -> None:
     h.cli_json("restore", "--detach", "--gpu-map", "1,0", stop["snapshot"])
     assert h.wait_end("swap") == 0
     identical(h, "swap", args, 2)
+
+
+IPC_WORKLOAD = Path(__file__).parent / "workloads" / "ipc_share.py"
+
+
+def test_cuda_ipc_import_refuses_the_snapshot_until_released(h: Harness) -> None:
+    """A worker holding a CUDA tensor from another process (torch.multiprocessing): the interceptor's
+    cudaIpcOpenMemHandle wrapper flags it, the snapshot is refused before any process is touched, the job
+    trains on; once the tensor is released, a snapshot works and the job ends identical to a plain run."""
+    args = ["--steps", "200", "--hold-steps", "60"]
+    h.run("ipc", IPC_WORKLOAD, args, nproc=2)
+    h.wait_step("ipc", 10)
+    assert "ipc open 7.0" in h.job("ipc").rank_log(0).read_text()
+    res = h.cli("snapshot", "ipc", check=False)
+    assert res.returncode != 0 and "CUDA IPC" in res.stdout + res.stderr, res.stdout + res.stderr
+    h.wait_step("ipc", 80)
+    assert "ipc closed" in h.job("ipc").rank_log(0).read_text()
+    h.snapshot("ipc")
+    assert h.wait_end("ipc") == 0
+    ref = reference(IPC_WORKLOAD, args, 2)
+    for r in range(2):
+        assert h.losses("ipc", r) == ref[r], f"rank {r} differs from the uninterrupted run"

@@ -85,9 +85,10 @@ class Harness:
         res = self.cli(cmd, "--json", *args, check=check, env=env)
         return json.loads(res.stdout)
 
-    def run(self, name: str, script: Path, args: list[str], nproc: int = 2) -> dict[str, Any]:
+    def run(self, name: str, script: Path, args: list[str], nproc: int = 2, flags: tuple[str, ...] = ()) -> dict[
+            str, Any]:
         out: dict[str, Any] = self.cli_json("run", "--detach", "--name", name, "--nproc-per-node", str(nproc),
-                                            str(script), *args)
+                                            *flags, str(script), *args)
         return out
 
     def job(self, name: str) -> JobDir:

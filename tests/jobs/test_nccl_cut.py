@@ -312,3 +312,45 @@ def test_one_hundred_random_cuts_then_snapshots_and_restore(h: Harness, tmp_path
     linger.touch()
     assert h.wait_end("mixed", timeout=300) == 0
     assert_identical(h, "mixed", script, args_for(tmp_path, steps, 0), 4)
+
+
+def test_fast_path_moves_device_memory_and_the_job_continues_identically(
+        h: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path with real CRIU: the workers' "device memory" (tests/native/fakecuda over host memory:
+    CI has no GPU; the workload reaches it only through launches and copies, as on a GPU) is offloaded into
+    the staging files, released, reloaded after the dump (keep-running) or restored from the image (stop +
+    restore), and the job's digests equal an uninterrupted run's."""
+    from tests.native.fakecuda.build import build
+
+    _, cudart = build(tmp_path / "fake")
+    monkeypatch.setitem(h.env, "FAKE_CUDART", str(cudart))
+    monkeypatch.setitem(h.env, "LD_LIBRARY_PATH", os.pathsep.join([str(tmp_path / "fake"), str(STANDIN.parent)]))
+    monkeypatch.setenv("FAKE_CUDART", str(cudart))  # the reference run's
+    script = workload("nccl_devmem")
+    args = lingering(tmp_path, 40)
+    h.run("fast", script, args, flags=("--fast-path",))
+    h.wait_step("fast", 3)
+    check = h.cli_json("check", "--job", "fast")
+    assert sum(c["name"] == "fast path" and c["ok"] and "2 MiB of device memory" in c["detail"]
+               for c in check["checks"]) == 2, check  # both ranks, before their staging files exist
+    keep = h.snapshot("fast")
+    order = [p for p in keep["phases"] if p in ("prepare", "drain", "quiesce", "offload")]
+    assert order == ["prepare", "drain", "quiesce", "offload"], keep["phases"]
+    assert {"reload", "devmem"} <= set(keep["phases"]), keep["phases"]
+    shown = h.cli_json("show", keep["snapshot"])
+    fast = shown["nodes"][0]["gpu"]["fast_path"]
+    assert sorted(fast["ranks"]) == ["0", "1"] and fast["plain"] == {}
+    for entry in fast["ranks"].values():
+        image = Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / keep["snapshot"] / "nodes" / "0" / entry["image"]
+        assert image.stat().st_size == entry["bytes"] >= 2 << 20 and entry["stage_path"].startswith("/dev/shm/")
+        assert entry["stage_path"] not in {f["path"] for f in shown["nodes"][0]["staged"]}  # not copied in the freeze
+    h.wait_step("fast", 10)
+    stop = h.snapshot("fast", "--stop")
+    assert {"offload", "devmem", "verify", "end"} <= set(stop["phases"]) and "reload" not in stop["phases"]
+    assert h.wait_end("fast") == 75
+    assert not h.job("fast").devmem.exists()  # the agent removed the staging files with the job
+    restored = h.restore(stop["snapshot"])
+    assert {"devmem", "reload", "rebuild"} <= set(restored["phases"]), restored["phases"]
+    (tmp_path / "linger").touch()
+    assert h.wait_end("fast") == 0
+    assert_identical(h, "fast", script, args_for(tmp_path, 40, 0), 2)

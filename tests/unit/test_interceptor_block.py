@@ -23,6 +23,9 @@ HEADER_FIELDS = {
     "heartbeat": ic.H_HEARTBEAT, "premul_live": ic.H_PREMUL, "nccl_version": ic.H_NCCL_VERSION,
     "control_thread": ic.H_CONTROL, "comms_live": ic.H_COMMS_LIVE, "targets_gen": ic.H_TARGETS_GEN,
     "settled_gen": ic.H_SETTLED_GEN, "settled": ic.H_SETTLED, "error": ic.H_ERROR,
+    "devmem_on": ic.H_DEVMEM_ON, "devmem_bytes": ic.H_DEVMEM_BYTES, "stage_bytes": ic.H_STAGE_BYTES,
+    "offload_bytes": ic.H_OFFLOAD_BYTES, "devmem_count": ic.H_DEVMEM_COUNT, "offloaded": ic.H_OFFLOADED,
+    "offload_ns": ic.H_OFFLOAD_NS, "reload_ns": ic.H_RELOAD_NS, "stage_path": ic.H_STAGE_PATH,
 }
 SLOT_FIELDS = {
     "state": ic.S_STATE, "vid": ic.S_VID, "ident": ic.S_IDENT, "rank": ic.S_RANK, "nranks": ic.S_NRANKS,
@@ -41,7 +44,8 @@ def test_offsets_and_constants_match_the_c_header(tmp_path: Path) -> None:
     lines += [f'printf("s {n} %zu\\n", offsetof(struct cs_ctl_comm, {n}));' for n in SLOT_FIELDS]
     consts = ["CS_CTL_MAGIC", "CS_CTL_VERSION", "CS_BLOCK_SIZE", "CS_HEADER_SIZE", "CS_SLOT_SIZE", "CS_MAX_COMMS",
               "CS_MAX_PEERS", "CS_CMD_RUN", "CS_CMD_HOLD", "CS_CMD_QUIESCE", "CS_CMD_REBUILD", "CS_ST_ERROR",
-              "CS_ST_QUIESCED", "CS_WAIT_RECV", "CS_REBUILD_SPLIT", "CS_SLOT_FINALIZED"]
+              "CS_ST_QUIESCED", "CS_CMD_PREPARE", "CS_CMD_OFFLOAD", "CS_CMD_RELOAD", "CS_ST_PREPARED",
+              "CS_ST_OFFLOADED", "CS_WAIT_RECV", "CS_REBUILD_SPLIT", "CS_SLOT_FINALIZED"]
     lines += [f'printf("c {n} %llu\\n", (unsigned long long)({n}));' for n in consts]
     src = tmp_path / "offsets.c"
     src.write_text('#include <stdio.h>\n#include "ctl_block.h"\nint main(void) {\n' + "\n".join(lines) + "\n}\n")
@@ -56,7 +60,9 @@ def test_offsets_and_constants_match_the_c_header(tmp_path: Path) -> None:
             "CS_HEADER_SIZE": ic.HEADER_SIZE, "CS_SLOT_SIZE": ic.SLOT_SIZE, "CS_MAX_COMMS": ic.MAX_COMMS,
             "CS_MAX_PEERS": ic.MAX_PEERS, "CS_CMD_RUN": Cmd.RUN, "CS_CMD_HOLD": Cmd.HOLD,
             "CS_CMD_QUIESCE": Cmd.QUIESCE, "CS_CMD_REBUILD": Cmd.REBUILD, "CS_ST_ERROR": State.ERROR,
-            "CS_ST_QUIESCED": State.QUIESCED, "CS_WAIT_RECV": ic.WaitKind.RECV,
+            "CS_ST_QUIESCED": State.QUIESCED, "CS_WAIT_RECV": ic.WaitKind.RECV, "CS_CMD_PREPARE": Cmd.PREPARE,
+            "CS_CMD_OFFLOAD": Cmd.OFFLOAD, "CS_CMD_RELOAD": Cmd.RELOAD, "CS_ST_PREPARED": State.PREPARED,
+            "CS_ST_OFFLOADED": State.OFFLOADED,
             "CS_REBUILD_SPLIT": ic.Rebuild.SPLIT, "CS_SLOT_FINALIZED": ic.SlotState.FINALIZED}
     for n, v in want.items():
         assert got[("c", n)] == v, n

@@ -52,7 +52,7 @@ static void set_error(uint32_t gen, const char* fmt, ...) {
 }
 
 /* A full memory barrier on every thread of this process (see gate.c). */
-static void cs_fence_all(void) {
+void cs_fence_all(void) {
   static int warned;
   if (syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0 &&
       syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0)
@@ -308,13 +308,36 @@ fail:
 
 /* ---- the loop -------------------------------------------------------------------------------- */
 
+/* Device memory still offloaded (fast path) comes back before anything may run again. */
+static int cs_reload_first(uint32_t gen) {
+  char why[sizeof cs_ctl->error];
+  if (!cs_dm_offloaded() || cs_dm_reload(why, sizeof why) == 0) return 0;
+  set_error(gen, "%s", why);
+  return -1;
+}
+
 static void cs_handle(uint64_t w, uint64_t prev) {
   uint32_t c = (uint32_t)w, gen = (uint32_t)(w >> 32);
   int live = __atomic_load_n(&cs_phase, __ATOMIC_ACQUIRE) == CS_PH_LIVE;
+  char why[sizeof cs_ctl->error];
   switch (c) {
     case CS_CMD_RUN:
+      if (cs_reload_first(gen)) break;
       if (live) set_state(CS_ST_RUNNING, gen);
       else set_error(gen, "RUN while quiesced: send REBUILD first");
+      break;
+    case CS_CMD_PREPARE:
+      if (cs_dm_prepare(why, sizeof why) == 0) set_state(CS_ST_PREPARED, gen);
+      else set_error(gen, "%s", why);
+      break;
+    case CS_CMD_OFFLOAD:
+      if (live) set_error(gen, "OFFLOAD refused: QUIESCE first");
+      else if (cs_dm_offload(why, sizeof why) == 0) set_state(CS_ST_OFFLOADED, gen);
+      else set_error(gen, "%s", why);
+      break;
+    case CS_CMD_RELOAD:
+      if (cs_dm_reload(why, sizeof why) == 0) set_state(live ? CS_ST_RUNNING : CS_ST_QUIESCED, gen);
+      else set_error(gen, "%s", why);
       break;
     case CS_CMD_HOLD:
       if (!live) {
@@ -329,6 +352,7 @@ static void cs_handle(uint64_t w, uint64_t prev) {
       else set_state(CS_ST_QUIESCED, gen);
       break;
     case CS_CMD_REBUILD:
+      if (cs_reload_first(gen)) break;
       if (live) set_state(CS_ST_RUNNING, gen);
       else cs_rebuild(gen, w);
       break;

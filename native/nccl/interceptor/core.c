@@ -202,6 +202,7 @@ void cs_publish_all(uint64_t last_cmd) {
     else memset(cs_vc[i].slot, 0, CS_SLOT_SIZE);
   }
   cs_state_word = c->state;
+  cs_dm_publish();
   __atomic_store_n(&c->magic, CS_CTL_MAGIC, __ATOMIC_RELEASE);
 }
 
@@ -283,6 +284,36 @@ struct cs_tslot* cs_thread_claim(void) {
   pthread_setspecific(cs_tkey, t);
   cs_tl = t;
   return t;
+}
+
+/* Threads inside a gated CUDA runtime call (devmem.c), counted like `busy`. */
+int cs_scan_rt(void) {
+  int n = 0;
+  for (int i = 0; i < CS_TSLOTS; i++)
+    if (__atomic_load_n(&cs_tslots[i].owner, __ATOMIC_ACQUIRE)) n += __atomic_load_n(&cs_tslots[i].rt, __ATOMIC_ACQUIRE);
+  for (struct cs_tslot* t = __atomic_load_n(&cs_tslot_list, __ATOMIC_ACQUIRE); t; t = t->next)
+    if (__atomic_load_n(&t->owner, __ATOMIC_ACQUIRE)) n += __atomic_load_n(&t->rt, __ATOMIC_ACQUIRE);
+  return n + __atomic_load_n(&cs_tslot_overflow.rt, __ATOMIC_ACQUIRE);
+}
+
+/* The threads held at a gate right now, by thread id: the fast path's quiet check does not count
+ * their polling as work (devmem.c). */
+#define CS_HELD_MAX 512
+static int cs_held_tids[CS_HELD_MAX];
+
+void cs_held_tid(int tid, int held) {
+  for (int i = 0; i < CS_HELD_MAX; i++) {
+    int expect = held ? 0 : tid;
+    if (__atomic_compare_exchange_n(&cs_held_tids[i], &expect, held ? tid : 0, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED))
+      return;
+  }
+}
+
+int cs_is_held_tid(int tid) {
+  for (int i = 0; i < CS_HELD_MAX; i++)
+    if (__atomic_load_n(&cs_held_tids[i], __ATOMIC_ACQUIRE) == tid) return 1;
+  return 0;
 }
 
 void cs_scan_threads(int* busy, int* in_group) {

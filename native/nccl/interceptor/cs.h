@@ -10,6 +10,7 @@
 
 #include <nccl.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "cs_generated.h"
 #include "ctl_block.h"
@@ -31,8 +32,9 @@ enum cs_kind {
   CS_K_RELEASE   /* ncclCommDestroy/Abort: like MGMT, but fine on a communicator quiesce destroyed */
 };
 
-struct cs_tslot {            /* one per thread that has called NCCL */
+struct cs_tslot {            /* one per thread that has called NCCL (or a gated CUDA runtime call, devmem.c) */
   int busy;                  /* 1 from cs_enter to cs_leave (0 while held at the gate) */
+  int rt;                    /* 1 inside a CUDA runtime call devmem.c gates (0 while held there) */
   int depth;                 /* ncclGroupStart nesting */
   int owner;                 /* thread id, 0 when free */
   struct cs_tslot* next;     /* the list of allocated slots beyond the static ones */
@@ -99,6 +101,9 @@ extern __thread struct cs_tslot* cs_tl __attribute__((tls_model("initial-exec"))
 void cs_init(void);
 struct cs_tslot* cs_thread_claim(void);
 void cs_scan_threads(int* busy, int* in_group);
+int cs_scan_rt(void);
+void cs_held_tid(int tid, int held);
+int cs_is_held_tid(int tid);
 void cs_log(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 ncclResult_t cs_missing(const char* name);
 void cs_set_flag(uint32_t flag);
@@ -115,7 +120,15 @@ ncclResult_t cs_gate(struct cs_tslot* t, enum cs_kind kind, struct cs_vcomm* v, 
 int cs_at_cut(int exact);
 void cs_peer_capped(struct cs_vcomm* v);
 
+/* devmem.c: the fast path's device memory (the control thread runs these) */
+int cs_dm_prepare(char* err, size_t n);
+int cs_dm_offload(char* err, size_t n);
+int cs_dm_reload(char* err, size_t n);
+int cs_dm_offloaded(void);
+void cs_dm_publish(void);
+
 /* control.c */
+void cs_fence_all(void);
 void cs_control_start(void);
 void cs_set_device(int device);
 int cs_get_device(void);
@@ -175,5 +188,16 @@ static inline void cs_enter_ungated(struct cs_tslot* t) {
 }
 
 static inline void cs_leave(struct cs_tslot* t) { __atomic_store_n(&t->busy, 0, __ATOMIC_RELEASE); }
+
+/* One poll of a thread held at a gate: not marked inside (``*inside`` = 0) while it naps, the nap
+ * doubling from the caller's start up to 1 ms; marked inside again before it looks at the gate. */
+static inline void cs_nap_held(int* inside, long* nap_ns) {
+  __atomic_store_n(inside, 0, __ATOMIC_RELEASE);
+  struct timespec ts = {0, *nap_ns};
+  nanosleep(&ts, NULL);
+  if (*nap_ns < 1000 * 1000) *nap_ns *= 2;
+  __atomic_store_n(inside, 1, __ATOMIC_RELAXED);
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
 
 #endif

@@ -19,7 +19,12 @@
 #define CS_BLOCK_SIZE (CS_HEADER_SIZE + CS_MAX_COMMS * CS_SLOT_SIZE)  /* 167936 bytes */
 
 /* The command word (A): low 32 bits a command, high 32 bits its generation. */
-enum cs_cmd { CS_CMD_RUN = 1, CS_CMD_HOLD = 2, CS_CMD_QUIESCE = 3, CS_CMD_REBUILD = 4 };
+enum cs_cmd {
+  CS_CMD_RUN = 1, CS_CMD_HOLD = 2, CS_CMD_QUIESCE = 3, CS_CMD_REBUILD = 4,
+  CS_CMD_PREPARE = 5,  /* fast path: grow the pinned staging file to hold the device memory (job running) */
+  CS_CMD_OFFLOAD = 6,  /* fast path, when QUIESCED: copy device memory out, release it */
+  CS_CMD_RELOAD = 7    /* fast path: device memory back at the same addresses (REBUILD and RUN imply it) */
+};
 
 /* The state word (I): low 32 bits a state, high 32 bits the generation of the command it answers. */
 enum cs_state {
@@ -29,7 +34,9 @@ enum cs_state {
   CS_ST_QUIESCING = 3,   /* waiting for threads to leave NCCL, then destroying communicators */
   CS_ST_QUIESCED = 4,    /* no real communicator exists; every gated call is held */
   CS_ST_REBUILDING = 5,  /* re-creating communicators */
-  CS_ST_ERROR = 6        /* the command failed; error[] says why (see the doc for what is left) */
+  CS_ST_ERROR = 6,       /* the command failed; error[] says why (see the doc for what is left) */
+  CS_ST_PREPARED = 7,    /* PREPARE done: stage_bytes >= devmem_bytes */
+  CS_ST_OFFLOADED = 8    /* OFFLOAD done: device memory is in the staging file, released on the GPU */
 };
 
 /* Features the agent's check refuses to snapshot (flags, sticky: once set they stay; except
@@ -106,10 +113,18 @@ struct cs_ctl {                 /* the header: CS_HEADER_SIZE bytes, then the sl
   uint32_t targets_gen;         /* A  bumped after each change of the HOLD targets */
   uint32_t settled_gen;         /* I  the targets_gen that `settled` was computed against */
   uint32_t settled;             /* I  HOLD: 1 = every counter >= its target, no thread in NCCL or a group */
-  uint32_t reserved0;
-  uint8_t reserved1[136];
+  uint32_t devmem_on;           /* I  1: cudaMalloc is served with the VMM API (CRYOSLEEP_DEVMEM=1, devmem.c) */
+  uint64_t devmem_bytes;        /* I  device memory served so, now */
+  uint64_t stage_bytes;         /* I  size of the pinned staging file prepared */
+  uint64_t offload_bytes;       /* I  bytes copied out by the last OFFLOAD */
+  uint32_t devmem_count;        /* I  allocations served so, now */
+  uint32_t offloaded;           /* I  1 between OFFLOAD and RELOAD: the device memory lives in the staging file */
+  uint64_t offload_ns;          /* I  the last OFFLOAD's copy, ns */
+  uint64_t reload_ns;           /* I  the last RELOAD's, ns */
+  uint8_t reserved1[88];
   char error[256];              /* I  NUL-terminated: why the last command failed */
-  uint8_t reserved2[CS_HEADER_SIZE - 512];
+  char stage_path[256];         /* I  the staging file (NUL-terminated), once PREPARE made it */
+  uint8_t reserved2[CS_HEADER_SIZE - 768];
 };
 
 #define CS_SLOT(ctl, i) ((struct cs_ctl_comm*)((char*)(ctl) + CS_HEADER_SIZE + (size_t)(i) * CS_SLOT_SIZE))
@@ -121,6 +136,9 @@ _Static_assert(offsetof(struct cs_ctl, hold_deadline_ns) == 48 && offsetof(struc
 _Static_assert(offsetof(struct cs_ctl, held) == 64 && offsetof(struct cs_ctl, heartbeat) == 80, "hdr2");
 _Static_assert(offsetof(struct cs_ctl, premul_live) == 88 && offsetof(struct cs_ctl, error) == 256, "hdr3");
 _Static_assert(offsetof(struct cs_ctl, comms_live) == 100 && offsetof(struct cs_ctl, settled) == 112, "hdr4");
+_Static_assert(offsetof(struct cs_ctl, devmem_on) == 116 && offsetof(struct cs_ctl, devmem_bytes) == 120 &&
+               offsetof(struct cs_ctl, offloaded) == 148 && offsetof(struct cs_ctl, reload_ns) == 160 &&
+               offsetof(struct cs_ctl, stage_path) == 512, "devmem");
 _Static_assert(offsetof(struct cs_ctl_comm, seq) == 48 && offsetof(struct cs_ctl_comm, uid_gen) == 64, "slot");
 _Static_assert(offsetof(struct cs_ctl_comm, waiting) == 68 && offsetof(struct cs_ctl_comm, waiting_peer) == 76, "w");
 _Static_assert(offsetof(struct cs_ctl_comm, uid) == 128 && offsetof(struct cs_ctl_comm, send) == 512, "slot2");

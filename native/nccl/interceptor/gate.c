@@ -74,17 +74,14 @@ ncclResult_t cs_gate(struct cs_tslot* t, enum cs_kind kind, struct cs_vcomm* v, 
           __atomic_add_fetch(&v->slot->waiting, 1, __ATOMIC_RELEASE);
         }
         __atomic_add_fetch(&cs_ctl->held, 1, __ATOMIC_RELEASE);
+        cs_held_tid(t->owner, 1);
       }
-      __atomic_store_n(&t->busy, 0, __ATOMIC_RELEASE);
-      struct timespec ts = {0, nap_ns};
-      nanosleep(&ts, NULL);
-      if (nap_ns < 1000 * 1000) nap_ns *= 2;
-      __atomic_store_n(&t->busy, 1, __ATOMIC_RELAXED);
-      __atomic_signal_fence(__ATOMIC_SEQ_CST);
+      cs_nap_held(&t->busy, &nap_ns);
     }
     if (held) {
       if (wkind != CS_WAIT_NONE) __atomic_sub_fetch(&v->slot->waiting, 1, __ATOMIC_RELEASE);
       __atomic_sub_fetch(&cs_ctl->held, 1, __ATOMIC_RELEASE);
+      cs_held_tid(t->owner, 0);
     }
   }
   if (v && !__atomic_load_n(&v->real, __ATOMIC_ACQUIRE) && kind != CS_K_RELEASE) {

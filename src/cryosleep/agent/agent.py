@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,13 +51,14 @@ def interceptor_lib() -> Path:
     return paths.native_dir() / INTERCEPTOR_LIB
 
 
-def worker_env(spec: JobSpec, ctl_dir: Path | None = None) -> dict[str, str]:
+def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | None = None) -> dict[str, str]:
     """torchrun's environment for the workers, plus what capture needs (RANK/LOCAL_RANK come from init).
 
     With the interceptor (the default; ``ctl_dir`` given), every worker preloads it and gets its own control
     file, ``ctl_dir/rank-<RANK>.ctl`` (cryosleep-init replaces ``{rank}``), and NVLink multicast is off unless
     the user set NCCL_NVLS_ENABLE (`cryosleep check --job` then warns). A worker that never calls NCCL never
-    creates its file and runs as without the interceptor."""
+    creates its file and runs as without the interceptor. With the fast path (``devmem_dir`` given), the
+    interceptor serves cudaMalloc itself and keeps its staging file in ``devmem_dir``."""
     env = dict(spec.env)
     env.update({
         "WORLD_SIZE": str(spec.world_size),
@@ -84,6 +86,9 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None) -> dict[str, str]:
         env["CRYOSLEEP_NCCL_CTL"] = str(ctl_dir / "rank-{rank}.ctl")
         # NVLink multicast (NVLS) state cannot be checkpointed (FACTS.md)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
+        if spec.fast_path and devmem_dir is not None:
+            env.setdefault("CRYOSLEEP_DEVMEM", "1")
+            env["CRYOSLEEP_DEVMEM_DIR"] = str(devmem_dir)
     return env
 
 
@@ -169,6 +174,7 @@ class Agent:
         self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
         self.triggers: TriggerRunner | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
         self.net_end: str | None = None  # the sandbox's veth host end on the job network (--net job)
+        self.devmem_dirs: set[Path] = set()  # a restored job's fast-path staging directories
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -195,7 +201,12 @@ class Agent:
             (self.job.logs / f"rank-{r}.exit").unlink(missing_ok=True)
         for old in self.job.ctl.glob("rank-*.ctl"):  # a previous run's blocks: never mistaken for this one's
             old.unlink()
-        env = worker_env(self.spec, self.job.ctl)
+        devmem = None
+        if self.spec.interceptor and self.spec.fast_path and Path("/dev/shm").is_dir():
+            devmem = self.job.devmem
+            shutil.rmtree(devmem, ignore_errors=True)
+            devmem.mkdir(mode=0o700)
+        env = worker_env(self.spec, self.job.ctl, devmem)
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
         self._save()
@@ -238,6 +249,8 @@ class Agent:
                                            net_peers=self.net_peers)
         self.spec = restored.spec
         self.net_end = restored.net_end
+        fast = restored.manifest.nodes[0].gpu.get("fast_path") or {}
+        self.devmem_dirs = {Path(e["stage_path"]).parent for e in fast.get("ranks", {}).values()}
         self.runtime = {k: v for k, v in restored.manifest.host.items() if k in ("python", "torch")}
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
                               restored_from=restored.manifest.id)
@@ -287,6 +300,8 @@ class Agent:
             self.tail.poll(final=True)
         if self.spec.net:  # the sandbox's veth went with it; the job's bridge goes when no node uses it here
             net_sandbox.release(self.spec.net, own_end=self.net_end)
+        for d in {self.job.devmem, *self.devmem_dirs}:  # the fast path's staging: the snapshots hold their copy
+            shutil.rmtree(d, ignore_errors=True)
         code = os.waitstatus_to_exitcode(status)
         code = 128 - code if code < 0 else code
         for t in list(self._handlers):  # a stop snapshot finishing its bookkeeping and its answer

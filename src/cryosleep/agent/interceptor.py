@@ -55,6 +55,9 @@ class Cmd(enum.IntEnum):
     HOLD = 2
     QUIESCE = 3
     REBUILD = 4
+    PREPARE = 5  # the fast path: grow the pinned staging file to the device memory (job running)
+    OFFLOAD = 6  # the fast path, when QUIESCED: device memory copied into the staging file and released
+    RELOAD = 7  # the fast path: device memory back at its addresses (REBUILD and RUN imply it)
 
 
 class State(enum.IntEnum):
@@ -67,6 +70,8 @@ class State(enum.IntEnum):
     QUIESCED = 4
     REBUILDING = 5
     ERROR = 6
+    PREPARED = 7
+    OFFLOADED = 8
 
 
 class SlotState(enum.IntEnum):
@@ -115,7 +120,9 @@ H_CMD, H_STATE, H_DEADLINE, H_PID, H_FLAGS = 32, 40, 48, 56, 60
 H_HELD, H_BUSY, H_IN_GROUP, H_SLOTS_USED, H_HEARTBEAT = 64, 68, 72, 76, 80
 H_PREMUL, H_NCCL_VERSION, H_CONTROL, H_COMMS_LIVE = 88, 92, 96, 100
 H_TARGETS_GEN, H_SETTLED_GEN, H_SETTLED, H_ERROR = 104, 108, 112, 256
-ERROR_SIZE = 256
+H_DEVMEM_ON, H_DEVMEM_BYTES, H_STAGE_BYTES, H_OFFLOAD_BYTES, H_DEVMEM_COUNT = 116, 120, 128, 136, 144
+H_OFFLOADED, H_OFFLOAD_NS, H_RELOAD_NS, H_STAGE_PATH = 148, 152, 160, 512
+ERROR_SIZE = STAGE_PATH_SIZE = 256
 # Slot offsets.
 S_STATE, S_VID, S_IDENT, S_RANK, S_NRANKS, S_PARENT, S_COLOR, S_KEY = 0, 4, 8, 16, 20, 24, 28, 32
 S_REBUILD, S_FLAGS, S_DEVICE, S_SEQ, S_COLL_TARGET, S_UID_GEN = 36, 40, 44, 48, 56, 64
@@ -123,6 +130,21 @@ S_WAITING, S_WAITING_KIND, S_WAITING_PEER, S_UID = 68, 72, 76, 128
 S_SEND, S_RECV, S_SEND_TARGET, S_RECV_TARGET = 512, 1024, 1536, 2048
 
 _U32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class DevMem:
+    """A worker's device memory as the fast path sees it (docs/interceptor.md, "The fast path")."""
+
+    on: bool  # cudaMalloc is served with the VMM API
+    bytes: int  # device memory served so
+    count: int  # in that many allocations
+    stage_bytes: int  # the pinned staging file's size (0: not prepared)
+    stage_path: str
+    offloaded: bool  # the memory is in the staging file now
+    offload_bytes: int  # copied out by the last OFFLOAD
+    offload_s: float
+    reload_s: float
 
 
 class InterceptorError(CryosleepError):
@@ -362,6 +384,16 @@ class ControlBlock:
     def error(self) -> str:
         raw = self.mm[H_ERROR:H_ERROR + ERROR_SIZE]
         return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+    # ---- the fast path's device memory (devmem.c) --------------------------------------------------
+
+    @property
+    def devmem(self) -> DevMem:
+        raw = self.mm[H_STAGE_PATH:H_STAGE_PATH + STAGE_PATH_SIZE].split(b"\0", 1)[0].decode(errors="replace")
+        return DevMem(on=self.u32(H_DEVMEM_ON) == 1, bytes=self.u64(H_DEVMEM_BYTES), count=self.u32(H_DEVMEM_COUNT),
+                      stage_bytes=self.u64(H_STAGE_BYTES), stage_path=raw, offloaded=self.u32(H_OFFLOADED) == 1,
+                      offload_bytes=self.u64(H_OFFLOAD_BYTES), offload_s=self.u64(H_OFFLOAD_NS) / 1e9,
+                      reload_s=self.u64(H_RELOAD_NS) / 1e9)
 
     # ---- slots -------------------------------------------------------------------------------------
 

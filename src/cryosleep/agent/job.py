@@ -18,6 +18,7 @@ same job name, into the same paths.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -61,12 +62,19 @@ class JobSpec:
     master_port: int = 29500
     run_id: str = ""
     interceptor: bool = True  # preload the NCCL interceptor into the workers (`cryosleep run --no-interceptor`)
+    # the interceptor serves device memory so that it can move it itself (`cryosleep run --fast-path`;
+    # docs/interceptor.md, "The fast path": opt-in until every way of issuing GPU work is gated)
+    fast_path: bool = False
     # The job network (cryosleep.net.JobNet as JSON: subnet, this node's address, bridge, VNI, ifname);
     # empty: the sandbox shares the host's network (`cryosleep run --net job` sets it; docs/network.md).
     net: dict[str, Any] = field(default_factory=dict)
     # Where the job's snapshots persist off the machine (`cryosleep run --store URL`): {"url", "key_file",
     # "local_keep"} (cryosleep.store.persist.RemoteConfig); empty: the local store only.
     persist: dict[str, Any] = field(default_factory=dict)
+    # Connections to peers outside the job (`cryosleep run --outbound-reset/--outbound-keep/--outbound-drain`,
+    # cryosleep.capture.outbound.Policy as JSON: {"reset", "keep", "drain_s"}); empty: the default, every
+    # peer outside the job drained before a dump and reset in a restored copy (docs/network.md).
+    outbound: dict[str, Any] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -135,6 +143,14 @@ class JobDir:
     @property
     def ctl(self) -> Path:
         return self.path / "ctl"
+
+    @property
+    def devmem(self) -> Path:
+        """The fast path's staging files (one per GPU worker, as large as its device memory), on tmpfs: a
+        worker maps its file shared, so CRIU records it by reference and the snapshot copies it after the
+        freeze. Named after the job directory, so that jobs of different CRYOSLEEP_HOMEs never share one."""
+        digest = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return Path("/dev/shm") / f"cryosleep-{digest}"
 
     def ctl_path(self, rank: int) -> Path:
         """The NCCL control block of one worker (created by its interceptor at its first NCCL call)."""

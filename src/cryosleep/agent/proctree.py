@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,3 +136,20 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         return 0
     return 0
+
+
+SYS_PIDFD_GETFD = 438  # x86_64 and aarch64
+
+
+def pidfd_getfd(pid: int, fd: int) -> int:
+    """A duplicate, in this process, of descriptor ``fd`` of process ``pid`` (pidfd_getfd(2); root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        got = int(libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0))
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"pidfd_getfd(pid {pid}, fd {fd}): {os.strerror(err)}")
+        return got
+    finally:
+        os.close(pidfd)

@@ -8,7 +8,6 @@ still until its image is verified, then killed, or resumed if anything failed).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shlex
@@ -32,7 +31,6 @@ NOISE = ("Can't setup RLIMIT_NOFILE",)
 GHOST_LIMIT = 64 * 1024 * 1024
 # After its action script is ended, CRIU rolls back by itself within this time, or is killed.
 ROLLBACK_GRACE_S = 15.0
-SYS_PIDFD_GETFD = 438
 TCP_REPAIR = 19
 
 
@@ -171,7 +169,7 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
         "--leave-running" if leave == "running" else "--leave-stopped",
         "--action-script", script, *_external_args(mounts or []), *veth_externals(root_pid),
     )
-    full_env = dict(os.environ, **env, **(extra_env or {}))
+    full_env = criu.env(dict(os.environ, **env, **(extra_env or {})))
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -240,18 +238,6 @@ def _stop_dump(criu: Criu, proc: subprocess.Popen[bytes], root_pid: int, log: Pa
     return "CRIU was killed and its leftovers undone"
 
 
-def _pidfd_getfd(pid: int, fd: int) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    pidfd = os.pidfd_open(pid)
-    try:
-        got = int(libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0))
-        if got < 0:
-            raise OSError(ctypes.get_errno(), f"pidfd_getfd({pid}, {fd})")
-        return got
-    finally:
-        os.close(pidfd)
-
-
 def repair_off(root_pid: int) -> int:
     """Take every TCP socket of the tree out of repair mode (what a killed CRIU leaves); return how many."""
     fixed = 0
@@ -260,7 +246,7 @@ def repair_off(root_pid: int) -> int:
             if not f.target.startswith("socket:"):
                 continue
             try:
-                fd = _pidfd_getfd(pid, f.fd)
+                fd = proctree.pidfd_getfd(pid, f.fd)
             except OSError:
                 continue
             try:
@@ -293,11 +279,13 @@ def release(criu: Criu, root_pid: int, rid: str | None, repair: bool = False) ->
 
 
 def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts: list[str] | None = None,
-            veths: list[tuple[str, str, str]] | None = None) -> int:
+            veths: list[tuple[str, str, str]] | None = None,
+            action: tuple[str, dict[str, str]] | None = None) -> int:
     """Restore a sandbox detached (it is re-parented to the calling subreaper); return its init's PID.
 
     ``veths``: (name inside, new host end, bridge) for a sandbox with its own network namespace: CRIU
-    recreates each pair with the new host end as a port of the bridge (the caller removes it on failure)."""
+    recreates each pair with the new host end as a port of the bridge (the caller removes it on failure).
+    ``action``: an ``--action-script`` and the environment it reads (capture.outbound's pre-resume reset)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     pidfile = work_dir / "restore.pid"
     pidfile.unlink(missing_ok=True)
@@ -307,8 +295,10 @@ def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts:
         "--tcp-established", "--file-locks", "--restore-detached", "--pidfile", str(pidfile),
         *(["--root", "/", *_external_args(mounts)] if mounts else []),
         *[a for inside, end, bridge in (veths or []) for a in ("--external", f"veth[{inside}]:{end}@{bridge}")],
+        *(["--action-script", action[0]] if action else []),
     )
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    env = criu.env(dict(os.environ, **action[1])) if action else criu.env()
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -59,6 +59,25 @@ def writable_files(root_pid: int) -> list[str]:
     return list(seen)
 
 
+def copy_hashed(src: str, dst: Path, size: int, block: int = 8 << 20) -> str:
+    """Copy the first ``size`` bytes of file ``src`` to ``dst`` and return their SHA-256 (one read)."""
+    h = hashlib.sha256()
+    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
+        buf = bytearray(block)
+        view = memoryview(buf)
+        left = size
+        while left > 0:
+            n = fin.readinto(view[:min(block, left)])
+            if not n:
+                raise OSError(errno.EIO, f"{src} ended {left} bytes early")
+            h.update(view[:n])
+            done = 0
+            while done < n:  # an unbuffered write may be short
+                done += fout.write(view[done:n]) or 0
+            left -= n
+    return h.hexdigest()
+
+
 def copy_prefix(src: int, dst: int, size: int) -> None:
     """Copy the first ``size`` bytes of ``src`` to ``dst``: in the kernel where it can, else by reads."""
     left = size
@@ -95,14 +114,15 @@ def _hash_range(path: str, start: int, end: int) -> str:
 
 
 def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT,
-          extra: list[str] | None = None) -> list[StagedFile]:
+          extra: list[str] | None = None, skip: list[str] | None = None) -> list[StagedFile]:
     """Copy (or fingerprint) every writable file of the frozen tree into ``dest``; write the index.
 
     ``extra`` names more files to stage the same way: the NCCL control blocks, which the workers map but do
-    not hold open (CRIU records the mapping by path; the restore needs the file back as it was)."""
+    not hold open (CRIU records the mapping by path; the restore needs the file back as it was). ``skip``
+    names files the snapshot carries another way (the fast path's staging files, copied after the freeze)."""
     dest.mkdir(parents=True, exist_ok=True)
     out: list[StagedFile] = []
-    found = writable_files(root_pid)
+    found = [p for p in writable_files(root_pid) if p not in set(skip or [])]
     for path in extra or []:
         if path not in found and os.path.isfile(path):
             found.append(path)

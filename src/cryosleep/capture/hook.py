@@ -2,6 +2,7 @@
 
 At ``post-dump`` (images written, tasks still frozen) it stages the files the job writes (files.stage) and
 the files named in ``CRYOSLEEP_HOOK_EXTRA_FILES`` (the workers' NCCL control blocks, exactly as CRIU saw them),
+but not those in ``CRYOSLEEP_HOOK_SKIP`` (the fast path's staging files, copied after the freeze),
 and records the size and mtime of the files it only reads or maps (files.record_expected).
 A non-zero exit makes CRIU fail the dump and resume every task, which is what fault injection uses:
 ``CRYOSLEEP_FAULT=capture-fail`` fails here, ``capture-hang`` blocks here until the snapshot's timeout
@@ -37,8 +38,9 @@ def main() -> int:
     dest = Path(os.environ["CRYOSLEEP_HOOK_STAGE_DIR"])
     limit = int(os.environ.get("CRYOSLEEP_HOOK_COPY_LIMIT", files.DEFAULT_COPY_LIMIT))
     extra = [p for p in os.environ.get("CRYOSLEEP_HOOK_EXTRA_FILES", "").split(os.pathsep) if p]
+    skip = [p for p in os.environ.get("CRYOSLEEP_HOOK_SKIP", "").split(os.pathsep) if p]
     try:
-        staged = files.stage(root, dest, limit, extra)
+        staged = files.stage(root, dest, limit, extra, skip)
         files.record_expected(root, dest, staged)
     except OSError as e:
         return fail(f"staging the job's files failed: {e}")

@@ -4,7 +4,9 @@
     compat    this machine can take the image: kernel, CRIU, the job name free, paths present
     files     the job's files brought back to their state at the snapshot
     network   (job network) the job's bridge and overlay here, a fresh host end for the sandbox's veth
-    restore   CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash)
+    restore   CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash); its pre-resume
+              action resets the connections to peers outside the job before any task runs (capture/outbound.py)
+    outbound  what that action could not reset is reset now, or told
     cuda-restore, cuda-unlock
               (GPU jobs) device memory back, onto other GPUs through a UUID map when they differ
     rebuild   (NCCL jobs) the workers' interceptors, restored QUIESCED with their control blocks (put back
@@ -30,7 +32,7 @@ from cryosleep.agent import proctree
 from cryosleep.agent.interceptor import ControlBlock, InterceptorError, State
 from cryosleep.agent.job import JobSpec
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files
+from cryosleep.capture import criu_install, cuda, files, outbound
 from cryosleep.cut.driver import Driver
 from cryosleep.errors import NotEligible, RestoreFailed, StoreCorrupt
 from cryosleep.net import sandbox as net_sandbox
@@ -124,7 +126,7 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
     node_dir = base / "nodes" / str(node.node_rank)
     pairs: list[tuple[bytes, bytes]] = []
     with phases.phase("compat"):
-        if node.gpu:
+        if node.gpu.get("gpus"):
             pairs = gpu_pairs(node.gpu["gpus"], cuda.driver().gpus(), gpu_map)
         problems = compat_problems(manifest, criu)
         problems += files.plan_restore(node.staged, node_dir / "files")
@@ -140,14 +142,19 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
             before_criu(manifest)
     with phases.phase("files"):
         files.restore(node.staged, node_dir / "files")
+    fast = node.gpu.get("fast_path") or {}
+    if fast.get("ranks"):
+        with phases.phase("devmem"):
+            put_devmem(fast["ranks"], node_dir)
     veths: list[tuple[str, str, str]] = []
     if spec.net:  # the job network: its bridge (and overlay) here; CRIU recreates the veth (docs/network.md)
         with phases.phase("network"):
             veths = net_sandbox.prepare_restore(spec.net, net_peers)
+    resets = outbound.RestoreReset.plan(spec, node.outbound, work_dir)
     with phases.phase("restore"):
         try:
             init_pid = criu_calls.restore(criu, node_dir / "criu", work_dir, timeout=timeout, mounts=node.mounts,
-                                          veths=veths)
+                                          veths=veths, action=resets.hook() if resets else None)
         except RestoreFailed:
             net_sandbox.undo_restore(spec.net, veths)
             raise
@@ -159,6 +166,9 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
     except BaseException:
         _kill_tree(init_pid)
         raise
+    if resets is not None:
+        with phases.phase("outbound"):
+            resets.finish(init_pid)  # never raises: what it could not reset is told, the job runs on
     try:
         if node.gpu.get("cuda_pids"):
             gpus = cuda.GpuSet(host_pids(init_pid, node.gpu["cuda_pids"]))
@@ -167,18 +177,34 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
             with phases.phase("cuda-unlock"):
                 gpus.unlock()
         if node.nccl.get("ranks"):
-            with phases.phase("rebuild"):
-                rebuild_nccl(init_pid, node.nccl)
+            rebuild_nccl(init_pid, node.nccl, phases)
     except BaseException:
         _kill_tree(init_pid)  # a half-restored job must not linger
         raise
     return Restored(manifest, spec, init_pid, phases, veths[0][1] if veths else None)
 
 
-def rebuild_nccl(init_pid: int, facts: dict[str, Any], timeout: float = 30.0) -> None:
-    """The restored workers' interceptors are QUIESCED, holding every NCCL call: re-create their communicators
-    from fresh unique ids and open the gates. Their control blocks came back (the files phase) at the paths
-    they map."""
+def put_devmem(ranks: dict[str, Any], node_dir: Path) -> None:
+    """Every rank's fast-path staging file back at its path, at its size, before CRIU maps it again; for the
+    ranks whose device memory it held at the snapshot, with that content (RELOAD copies it to the GPU)."""
+    for entry in ranks.values():
+        path = Path(entry["stage_path"])
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".cryosleep-restore")
+        with open(tmp, "wb") as dst:
+            if entry.get("image"):
+                with open(node_dir / entry["image"], "rb") as src:
+                    files.copy_prefix(src.fileno(), dst.fileno(), int(entry["bytes"]))
+            os.ftruncate(dst.fileno(), int(entry["stage_bytes"]))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+
+def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = None, timeout: float = 30.0) -> None:
+    """The restored workers' interceptors are QUIESCED (or OFFLOADED: the fast path), holding every NCCL call:
+    bring offloaded device memory back, re-create their communicators from fresh unique ids and open the
+    gates. Their control blocks came back (the files phase) at the paths they map."""
+    phases = phases or Phases(None)
     deadline = time.monotonic() + timeout
     blocks: dict[int, ControlBlock] = {}
     try:
@@ -186,12 +212,17 @@ def rebuild_nccl(init_pid: int, facts: dict[str, Any], timeout: float = 30.0) ->
             left = max(0.1, deadline - time.monotonic())
             blocks[int(r["rank"])] = ControlBlock.wait(r["ctl"], pid=int(r["pid"]), timeout=left)
         not_quiesced = [f"rank {r} is {State(b.state()[0]).name}" for r, b in blocks.items()
-                        if b.state()[0] != State.QUIESCED]
+                        if b.state()[0] not in (State.QUIESCED, State.OFFLOADED)]
         if not_quiesced:
             raise RestoreFailed("the restored workers' NCCL interceptors are not where the snapshot left them",
                                 "; ".join(not_quiesced), "the restored job was ended; restore another snapshot")
         driver = Driver(blocks)
-        driver.resume()
+        offloaded = [r for r, b in blocks.items() if b.devmem.offloaded]
+        if offloaded:
+            with phases.phase("reload"):
+                driver.reload(offloaded, deadline + 60)
+        with phases.phase("rebuild"):
+            driver.resume()
     except InterceptorError as e:
         raise RestoreFailed("the job's NCCL communicators could not be rebuilt after the restore",
                             f"{e.what}: {e.why}",

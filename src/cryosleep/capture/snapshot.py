@@ -2,18 +2,26 @@
 
     preflight  what the processes hold that cannot be captured, and what their NCCL interceptors refuse
                -> refuse with reasons (nothing touched)
+    outbound   (job running, when it has connections to peers outside the job) a bounded wait for their send
+               queues to drain; recorded, for a restore to reset them (capture/outbound.py)
     drain      (ranks that called NCCL) HOLD, then targets until every rank is settled at one consistent
                cut: every member of every communicator has issued exactly the same calls
+    prepare    (fast path, job still running) each rank's pinned staging file grown to its device memory
     quiesce    every rank flushes and destroys its real NCCL communicators (no NCCL socket, IPC or
                InfiniBand state left for the CUDA checkpoint and CRIU)
+    offload    (fast path) each rank copies its device memory into its staging file at DMA speed and
+               releases it, so the driver's checkpoint has little left; a rank that cannot (docs/interceptor.md,
+               "The fast path") keeps its memory and takes the plain path
     cuda-lock, cuda-checkpoint
                (GPU jobs) every CUDA process locked, then its device memory moved to host memory
     dump       CRIU freezes the tree, writes its image, stages the job's files and the NCCL control
                blocks, then resumes it (keep-running) or holds it stopped (stop)
     cuda-restore, cuda-unlock
                (GPU jobs, keep-running) device memory back, CUDA calls released
+    reload     (fast path, keep-running) the offloaded device memory back at its addresses
     rebuild    (NCCL, keep-running) every communicator re-created from fresh ids, then the gates open:
                the pause ends here
+    devmem     (fast path) the staging files copied into the image (keep-running: after the job resumed)
     checksum   size and SHA-256 of every image file, and of the files the job only reads (libraries,
                datasets: checked at restore) unless cached (the job is already running again)
     commit     manifest written, snapshot published atomically in the store
@@ -38,6 +46,7 @@ import platform
 import socket
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +56,7 @@ from cryosleep.agent import proctree
 from cryosleep.agent.interceptor import ControlBlock, InterceptorError, attach_published
 from cryosleep.agent.job import JobSpec
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files
+from cryosleep.capture import criu_install, cuda, files, outbound
 from cryosleep.cut.driver import Driver
 from cryosleep.errors import CaptureFailed, CryosleepError, NotEligible
 from cryosleep.store.local import LocalStore, Staging, hash_tree
@@ -57,7 +66,8 @@ from cryosleep.timing import Phases
 Progress = Callable[[str, str, float | None], None]
 
 # The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
-PAUSE = ["drain", "quiesce", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock", "rebuild"]
+PAUSE = ["drain", "quiesce", "offload", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock",
+         "reload", "rebuild"]
 
 
 @dataclass
@@ -144,7 +154,7 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
             problems = [c for c in eligibility.process_checks(target.init_pid) if not c.ok and c.fatal]
             nccl = nccl_driver(target)
             if nccl is not None:
-                problems += [c for c in eligibility.interceptor_checks(nccl.blocks) if c.fatal]
+                problems += [c for c in eligibility.interceptor_checks(nccl.blocks) if not c.ok and c.fatal]
             if problems:
                 raise _refuse(target, problems)
             tree = proctree.tree(target.init_pid)
@@ -157,7 +167,14 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
                     "cuda_pids": [proctree.ns_pid(p) for p in gpus.pids]}
             mounts = criu_calls.external_mounts(target.init_pid) if _own_mount_ns(target.init_pid) else []
             staging = store.begin(target.spec.name)
+        outbound_facts = outbound.before_dump(target.spec, target.init_pid, phases, deadline)
         node_dir = staging.node_dir(node_rank)
+        fast: list[int] = []
+        fast_skipped: dict[int, str] = {}
+        if nccl is not None and nccl.fast_ranks():
+            with phases.phase("prepare"):
+                fast_skipped = nccl.prepare(nccl.fast_ranks(), deadline)
+                fast = [r for r in nccl.fast_ranks() if r not in fast_skipped]
         if nccl is not None:
             with phases.phase("drain"):
                 nccl.hold(deadline)
@@ -165,6 +182,11 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
             with phases.phase("quiesce"):
                 nccl.quiesce(deadline)
                 nccl_info = nccl_facts(nccl)
+        if nccl is not None and fast:
+            with phases.phase("offload"):
+                refused = nccl.offload(fast, deadline)
+                fast_skipped.update(refused)
+                fast = [r for r in fast if r not in refused]
         if gpus.pids:
             with phases.phase("cuda-lock"):
                 gpus.lock(target.cuda_lock_timeout)
@@ -174,6 +196,9 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
             extra = {"CRYOSLEEP_FAULT": fault} if fault else {}
             if nccl is not None:  # the control blocks, copied while CRIU holds the tree frozen
                 extra["CRYOSLEEP_HOOK_EXTRA_FILES"] = os.pathsep.join(str(b.path) for b in nccl.blocks.values())
+                stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
+                if stages:  # the fast path's staging files: copied below, outside the freeze
+                    extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
             res = criu_calls.dump(criu, target.init_pid, node_dir, leave="stopped" if stop else "running",
                                   timeout=max(1.0, deadline - time.monotonic()), extra_env=extra, mounts=mounts)
             dump_rid = res.run_id
@@ -183,17 +208,24 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
                 gpus.restore()
             with phases.phase("cuda-unlock"):
                 gpus.unlock()
+        if nccl is not None and fast and not stop:
+            with phases.phase("reload"):
+                nccl.reload(fast, deadline)
         if nccl is not None and not stop:
             with phases.phase("rebuild"):
                 nccl.resume()
+        devmem_sums: dict[str, str] = {}
+        if nccl is not None and any(b.devmem.stage_path for b in nccl.blocks.values()):  # mapped: CRIU needs them
+            with phases.phase("devmem"):
+                gpu_facts["fast_path"] = save_devmem(nccl, fast, fast_skipped, node_dir, devmem_sums)
         with phases.phase("checksum"):
-            image_files = hash_tree(staging.path, [f"nodes/{node_rank}"])
+            image_files = hash_tree(staging.path, [f"nodes/{node_rank}"], known=devmem_sums)
             staged = files.read_index(node_dir / "files")
             expected = files.read_expected(node_dir / "files")
             files.hash_expected(expected, paths.home() / "cache" / "file-hashes.json")
         node = NodeImage(node_rank=node_rank, ranks=target.spec.ranks, init_pid=target.init_pid,
                          files=image_files, staged=staged, processes=len(tree), rss_bytes=rss, gpu=gpu_facts,
-                         mounts=mounts, nccl=nccl_info, expected=expected)
+                         mounts=mounts, nccl=nccl_info, expected=expected, outbound=outbound_facts)
         manifest = Manifest(
             id=staging.id, job=target.spec.to_json(), mode="stop" if stop else "keep-running",
             created_at=time.time(), nodes=[node], host=host_facts(criu, target.runtime),
@@ -263,6 +295,37 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
             nccl.close()
 
 
+DEVMEM_DIR = "devmem"
+
+
+def save_devmem(nccl: Driver, fast: list[int], skipped: dict[int, str], node_dir: Path,
+                digests: dict[str, str]) -> dict[str, Any]:
+    """Each offloaded rank's staging file (its device memory) copied into the image, hashed as it is copied
+    (into ``digests``, image-relative path -> SHA-256, so the checksum does not read it again), the ranks in
+    parallel; and what a restore needs to put every rank's staging file back before CRIU maps it again
+    (docs/interceptor.md, "The fast path")."""
+    ranks: dict[str, Any] = {}
+    todo: list[tuple[str, Path, int]] = []
+    for r, b in nccl.blocks.items():
+        dm = b.devmem
+        if not dm.stage_path:
+            continue
+        entry: dict[str, Any] = {"stage_path": dm.stage_path, "stage_bytes": dm.stage_bytes, "image": None,
+                                 "bytes": 0}
+        if r in fast:
+            rel = f"{DEVMEM_DIR}/rank-{r}.devmem"
+            todo.append((dm.stage_path, node_dir / rel, dm.offload_bytes))
+            entry.update(image=rel, bytes=dm.offload_bytes, offload_s=round(dm.offload_s, 4))
+        ranks[str(r)] = entry
+    if todo:
+        (node_dir / DEVMEM_DIR).mkdir(exist_ok=True)
+        with ThreadPoolExecutor(max_workers=len(todo)) as pool:
+            sums = list(pool.map(lambda t: files.copy_hashed(*t), todo))
+        base = node_dir.parent.parent  # the snapshot's directory: the manifest's paths are relative to it
+        digests.update({str(dst.relative_to(base)): h for (_, dst, _), h in zip(todo, sums, strict=True)})
+    return {"ranks": ranks, "plain": {str(r): why for r, why in skipped.items()}}
+
+
 def _as_failure(e: BaseException, what: str) -> CryosleepError:
     """The error to report once the rollback has run (it resumes the job)."""
     if isinstance(e, InterceptorError):
@@ -297,7 +360,7 @@ def rehearse(target: Target, *, timeout: float = 600.0, progress: Progress | Non
                 raise NotEligible(f"job {target.spec.name!r} has no NCCL communicators to drain",
                                   "none of its workers has called NCCL through the interceptor yet",
                                   "rehearse once the job has started training (or it runs with --no-interceptor)")
-            problems = [c for c in eligibility.interceptor_checks(nccl.blocks) if c.fatal]
+            problems = [c for c in eligibility.interceptor_checks(nccl.blocks) if not c.ok and c.fatal]
             if problems:
                 raise _refuse(target, problems)
         with phases.phase("drain"):

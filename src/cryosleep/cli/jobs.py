@@ -14,6 +14,7 @@ from typing import Any
 
 from cryosleep.agent.agent import Agent
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
+from cryosleep.capture import outbound
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
 from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
@@ -47,12 +48,26 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-interceptor", action="store_true",
                    help="do not preload Cryosleep's NCCL interceptor into the workers (a job that then holds live "
                    "NCCL communicators on GPUs cannot be snapshot)")
+    p.add_argument("--fast-path", action="store_true",
+                   help="the interceptor serves the workers' cudaMalloc and moves GPU memory itself at a snapshot, at "
+                   "DMA speed, instead of the CUDA driver's slower checkpoint (experimental: docs/interceptor.md, "
+                   "'The fast path')")
     p.add_argument("--net", choices=["host", "job"], default="host",
                    help="job: the sandbox gets its own network namespace and a job-private address that moves with "
                    "its snapshots, so TCP between ranks survives a restore elsewhere; needed for --nnodes > 1 "
                    "(docs/network.md). host (default): the sandbox shares this host's network")
     p.add_argument("--net-peers", default="", metavar="IP,...",
                    help="with --net job across hosts: the other hosts' addresses, linked by a VXLAN overlay")
+    p.add_argument("--outbound-reset", default="all", metavar="all|none|DEST,...",
+                   help="connections to peers outside the job (metrics, logging, HTTP APIs) that a snapshot lets "
+                   "drain and a restored copy resets, so that the job's client sees a reset and reconnects: all "
+                   "(default: every peer outside the job), none, or destinations ADDR[/LEN][:PORT], "
+                   "[IPV6[/LEN]]:PORT, :PORT (docs/network.md)")
+    p.add_argument("--outbound-keep", default="", metavar="DEST,...",
+                   help="peers outside the job whose connections are restored established, as the job's own")
+    p.add_argument("--outbound-drain", type=float, default=outbound.DEFAULT_DRAIN_S, metavar="S",
+                   help="how long a snapshot waits at most for those connections' send queues to drain "
+                   f"(default {outbound.DEFAULT_DRAIN_S:g} s; the job runs meanwhile)")
     add_persist_options(p)
     add_trigger_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
@@ -118,7 +133,8 @@ def build_spec(a: argparse.Namespace) -> JobSpec:
         name=name, program=program, cwd=os.getcwd(), env=dict(os.environ),
         nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank, master_addr=master_addr,
         master_port=a.master_port or free_port(), run_id=run_id,
-        interceptor=not a.no_interceptor, net=net,
+        interceptor=not a.no_interceptor, fast_path=a.fast_path, net=net,
+        outbound=outbound.Policy.parse(a.outbound_reset, a.outbound_keep, a.outbound_drain).to_json(),
     )
 
 

@@ -166,6 +166,12 @@ def cmd_show(a: argparse.Namespace) -> int:
             comms = {c["ident"] for r in ranks for c in r["comms"]}
             print(f"  NCCL: ranks {[r['rank'] for r in ranks]} cut with {len(comms)} communicator(s), "
                   "rebuilt on restore")
+        if n.outbound.get("reset") or n.outbound.get("kept"):
+            undrained = sum(1 for c in n.outbound.get("reset", []) if not c.get("drained"))
+            print(f"  outside the job: {len(n.outbound.get('reset', []))} connection(s) reset on restore"
+                  + (f" ({undrained} with unacknowledged bytes after {n.outbound.get('waited_s', 0):g} s)"
+                     if undrained else "")
+                  + f", {len(n.outbound.get('kept', []))} kept (--outbound-keep/--outbound-reset)")
     print(phase_table(m.phases))
     return 0
 

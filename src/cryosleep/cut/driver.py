@@ -148,7 +148,65 @@ class Driver:
 
     @staticmethod
     def _cmd_of(state: State) -> Cmd:
-        return {State.RUNNING: Cmd.RUN, State.HOLDING: Cmd.HOLD, State.QUIESCED: Cmd.QUIESCE}.get(state, Cmd.REBUILD)
+        return {State.RUNNING: Cmd.RUN, State.HOLDING: Cmd.HOLD, State.QUIESCED: Cmd.QUIESCE,
+                State.PREPARED: Cmd.PREPARE, State.OFFLOADED: Cmd.OFFLOAD}.get(state, Cmd.REBUILD)
+
+    def answers(self, cmd: Cmd, state: State, ranks: Iterable[int], deadline: float) -> dict[int, str]:
+        """Writes ``cmd`` on ``ranks`` and waits for each answer; returns the ranks that did not answer
+        ``state`` with why (the interceptor's error, or no answer by the deadline)."""
+        todo = list(ranks)
+        if not todo:
+            return {}
+        gen = self.command(cmd, todo)
+        failed: dict[int, str] = {}
+        nap = 0.0005
+        while todo:
+            still = []
+            for r in todo:
+                st, g = self.blocks[r].state()
+                if g == gen and st == state:
+                    continue
+                if g == gen and st == State.ERROR:
+                    failed[r] = self.blocks[r].error
+                else:
+                    still.append(r)
+            todo = still
+            if todo and time.monotonic() > deadline:
+                failed.update({r: f"no answer to {cmd.name} (still {self._state_text(r)})" for r in todo})
+                break
+            time.sleep(nap)
+            nap = min(nap * 2, 0.01)
+        return failed
+
+    # ---- the fast path (docs/interceptor.md, "The fast path") ---------------------------------------
+
+    def fast_ranks(self) -> list[int]:
+        """Ranks whose device memory the interceptor serves and can move itself."""
+        return [r for r, b in self.blocks.items() if b.devmem.on and b.devmem.bytes > 0]
+
+    def prepare(self, ranks: Iterable[int], deadline: float) -> dict[int, str]:
+        """PREPARE (job running): each rank's pinned staging file grown to its device memory."""
+        return self.answers(Cmd.PREPARE, State.PREPARED, ranks, deadline)
+
+    def offload(self, ranks: Iterable[int], deadline: float) -> dict[int, str]:
+        """OFFLOAD (quiesced): each rank copies its device memory out and releases it. A rank that refuses
+        keeps its memory (and its state QUIESCED): it takes the plain path."""
+        failed = self.answers(Cmd.OFFLOAD, State.OFFLOADED, ranks, deadline)
+        if failed:  # back to QUIESCED (what the rest and a restore expect), memory reloaded if any went out
+            again = self.answers(Cmd.RELOAD, State.QUIESCED, failed, time.monotonic() + ANSWER_TIMEOUT_S)
+            if again:
+                raise InterceptorError("a refused fast-path capture could not be undone",
+                                       "; ".join(f"rank {r}: {why}" for r, why in again.items()),
+                                       "see the workers' logs (lines 'cryosleep-nccl[PID]')", ranks=sorted(again))
+        return failed
+
+    def reload(self, ranks: Iterable[int], deadline: float) -> None:
+        """RELOAD: device memory back at its addresses (after the CUDA restore and unlock)."""
+        failed = self.answers(Cmd.RELOAD, State.QUIESCED, ranks, deadline)
+        if failed:
+            raise InterceptorError("device memory could not be brought back",
+                                   "; ".join(f"rank {r}: {why}" for r, why in failed.items()),
+                                   "see the workers' logs (lines 'cryosleep-nccl[PID]')", ranks=sorted(failed))
 
     def _state_text(self, rank: int) -> str:
         st, g = self.blocks[rank].state()

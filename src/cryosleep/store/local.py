@@ -18,7 +18,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,15 +46,22 @@ def sha256_file(path: Path, limit: int | None = None) -> str:
     return h.hexdigest()
 
 
-def hash_tree(base: Path, rel_dirs: Iterable[str], workers: int = 4) -> list[FileEntry]:
-    """Size and SHA-256 of every regular file under ``base/rel_dir`` for each dir, paths relative to base."""
+def hash_tree(base: Path, rel_dirs: Iterable[str], workers: int = 4,
+              known: Mapping[str, str] | None = None) -> list[FileEntry]:
+    """Size and SHA-256 of every regular file under ``base/rel_dir`` for each dir, paths relative to base.
+    ``known`` gives the SHA-256 of files hashed as they were written (relative path -> hex): not read again."""
     files: list[Path] = []
     for rel in rel_dirs:
         top = base / rel
         if top.is_dir():
             files.extend(p for p in sorted(top.rglob("*")) if p.is_file() and not p.is_symlink())
+    known = known or {}
+
+    def digest(p: Path) -> str:
+        return known.get(str(p.relative_to(base))) or sha256_file(p)
+
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        sums = list(pool.map(sha256_file, files))
+        sums = list(pool.map(digest, files))
     return [
         FileEntry(path=str(p.relative_to(base)), size=p.stat().st_size, sha256=s)
         for p, s in zip(files, sums, strict=True)

@@ -70,6 +70,9 @@ class NodeImage:
     # empty when no worker had called NCCL. A restore rebuilds these communicators.
     nccl: dict[str, Any] = field(default_factory=dict)
     expected: list[ExpectedFile] = field(default_factory=list)  # files the destination must have, unchanged
+    # Connections to peers outside the job, drained before the dump and reset at restore
+    # (cryosleep.capture.outbound.before_dump): {"policy", "waited_s", "reset": [...], "kept": [...], "internal"}
+    outbound: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -125,6 +128,7 @@ class Manifest:
                     mounts=list(n.get("mounts") or []),
                     nccl=n.get("nccl") or {},
                     expected=[ExpectedFile(**e) for e in n.get("expected") or []],
+                    outbound=n.get("outbound") or {},
                 )
             )
         return cls(

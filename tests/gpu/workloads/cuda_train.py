@@ -18,12 +18,14 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--async-groups", action="store_true",
                    help="also run asynchronous all-reduces on a second process group each step")
+    p.add_argument("--device-from-rank", action="store_true",
+                   help="use GPU RANK instead of LOCAL_RANK (simulated nodes sharing one machine's GPUs)")
     args = p.parse_args()
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # needed by deterministic cuBLAS
     torch.use_deterministic_algorithms(True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = int(os.environ.get("RANK" if args.device_from_rank else "LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
     if world > 1:

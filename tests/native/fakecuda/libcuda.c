@@ -1,0 +1,78 @@
+/* A stand-in for the CUDA driver's virtual memory calls over host memory, for the fast path's tests on
+ * machines without a GPU (the only double: the GPU). "Device memory" is a memfd mapped MAP_SHARED at an
+ * address range reserved PROT_NONE, so unmapping it makes the range fault like an illegal address would,
+ * and copies are memcpy. Built as libcuda.so.1 by tests/native/fakecuda/build.py. */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef uint64_t CUdeviceptr;
+static int registered; /* cuMemHostRegister calls */
+
+int cuMemGetAllocationGranularity(size_t* g, const void* prop, int opt) {
+  (void)prop, (void)opt;
+  *g = 1 << 16;
+  return 0;
+}
+int cuMemAddressReserve(CUdeviceptr* va, size_t size, size_t align, CUdeviceptr addr, unsigned long long f) {
+  (void)align, (void)addr, (void)f;
+  void* p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return 2;
+  *va = (CUdeviceptr)(uintptr_t)p;
+  return 0;
+}
+int cuMemAddressFree(CUdeviceptr va, size_t size) { return munmap((void*)(uintptr_t)va, size) ? 1 : 0; }
+int cuMemCreate(uint64_t* h, size_t size, const void* prop, unsigned long long f) {
+  (void)prop, (void)f;
+  int fd = memfd_create("fake-device-memory", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, (off_t)size) != 0) return 2;
+  *h = (uint64_t)fd + 1;
+  return 0;
+}
+int cuMemRelease(uint64_t h) { return close((int)h - 1) ? 1 : 0; }
+int cuMemMap(CUdeviceptr va, size_t size, size_t off, uint64_t h, unsigned long long f) {
+  (void)f;
+  void* p = mmap((void*)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, (int)h - 1, (off_t)off);
+  return p == MAP_FAILED ? 1 : 0;
+}
+int cuMemUnmap(CUdeviceptr va, size_t size) {
+  void* p = mmap((void*)(uintptr_t)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? 1 : 0;
+}
+int cuMemSetAccess(CUdeviceptr va, size_t size, const void* desc, size_t n) {
+  (void)va, (void)size, (void)desc, (void)n;
+  return 0;
+}
+int cuCtxGetDevice(int* d) {
+  *d = 0;
+  return 0;
+}
+int cuCtxGetCurrent(void** c) {
+  *c = (void*)&registered;
+  return 0;
+}
+int cuCtxSetCurrent(void* c) {
+  (void)c;
+  return 0;
+}
+int cuCtxSynchronize(void) { return 0; }
+int cuDevicePrimaryCtxRetain(void** c, int d) {
+  (void)d;
+  *c = (void*)&registered;
+  return 0;
+}
+int cuMemHostRegister_v2(void* p, size_t n, unsigned f) {
+  (void)p, (void)n, (void)f;
+  registered++;
+  return 0;
+}
+int cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+  memcpy(dst, (void*)(uintptr_t)src, n);
+  return 0;
+}
+int cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+  memcpy((void*)(uintptr_t)dst, src, n);
+  return 0;
+}

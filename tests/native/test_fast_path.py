@@ -1,0 +1,210 @@
+"""The fast path's device memory, driven through a real control block (docs/interceptor.md, "The fast path").
+
+CI has no GPU, so the CUDA driver's VMM calls and three runtime calls are stand-ins over host memory
+(tests/native/fakecuda: "device memory" is a memfd mapped into a reserved range; the only double, for the
+GPU); the worker is a real process with the interceptor preloaded and the stand-in NCCL, and the agent's side
+is the real cut driver. On a GPU machine tests/gpu/test_gpu_nccl.py runs the same path on H200s."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakecuda.build import build
+from nccl_jobs import INTERCEPTOR, STANDIN, WORKLOADS
+
+from cryosleep.agent.interceptor import ControlBlock, State
+from cryosleep.cut.driver import Driver
+
+SIZE = 4 << 20  # above the 1 MiB from which cudaMalloc is served by the interceptor
+
+WORKER = """
+import ctypes, hashlib, sys, threading
+from ncclbind import Nccl
+nccl = Nccl()                                       # NCCL loaded, as libtorch_cuda loads it
+if sys.argv[3] == "nccl":
+    comm = nccl.init(1, nccl.unique_id(), 0)        # a communicator: the control block is published
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)   # the process's "libcudart"
+lib = ctypes.CDLL(None)                             # global scope: the preloaded interceptor comes first
+n = int(sys.argv[2])
+p = ctypes.c_void_p()
+assert lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n)) == 0
+buf = (ctypes.c_ubyte * n).from_address(p.value)
+for i in range(0, n, 512):
+    buf[i] = (i // 512) % 251
+class D3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+spinning = []
+def launch():
+    rc = lib.cudaLaunchKernel(None, D3(1, 1, 1), D3(1, 1, 1), None, ctypes.c_size_t(0), None)
+    print("launched", rc, flush=True)
+def spin():
+    while spinning:
+        pass
+print("ready", hex(p.value), hashlib.sha256(bytes(buf)).hexdigest(), flush=True)
+for line in sys.stdin:
+    cmd = line.split()[0]
+    if cmd == "digest":
+        print("digest", hashlib.sha256(bytes(buf)).hexdigest(), flush=True)
+    elif cmd == "launch":
+        threading.Thread(target=launch).start()
+    elif cmd == "spin":
+        spinning.append(1)
+        threading.Thread(target=spin).start()
+        print("spinning", flush=True)
+    elif cmd == "unspin":
+        spinning.clear()
+        print("unspun", flush=True)
+    elif cmd == "free":
+        print("freed", lib.cudaFree(p), flush=True)
+"""
+
+
+class Worker:
+    def __init__(self, tmp: Path, nccl: bool = True) -> None:
+        fake = tmp / "fake"
+        _, cudart = build(fake)
+        (tmp / "worker.py").write_text(textwrap.dedent(WORKER))
+        (tmp / "devmem").mkdir()
+        self.ctl = tmp / "rank-0.ctl"
+        env = dict(os.environ, LD_PRELOAD=str(INTERCEPTOR), STANDIN_NCCL_LIB=str(STANDIN),
+                   CRYOSLEEP_NCCL_CTL=str(self.ctl), CRYOSLEEP_DEVMEM="1", CRYOSLEEP_DEVMEM_DIR=str(tmp / "devmem"),
+                   LD_LIBRARY_PATH=str(fake),
+                   PYTHONPATH=os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, str(tmp / "worker.py"), str(cudart), str(SIZE),
+                                      "nccl" if nccl else "-"], env=env,
+                                     text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self.line(30).split()
+        assert ready[0] == "ready", ready
+        self.va, self.digest = int(ready[1], 16), ready[2]
+        self.block = ControlBlock.wait(self.ctl, pid=self.proc.pid)
+        self.driver = Driver({0: self.block})
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def line(self, timeout: float = 10) -> str:
+        return self.lines.get(timeout=timeout)
+
+    def say(self, cmd: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, cmd: str) -> str:
+        self.say(cmd)
+        return self.line()
+
+    def quiesce(self) -> None:
+        deadline = time.monotonic() + 30
+        self.driver.hold(deadline)
+        self.driver.drain(deadline)
+        self.driver.quiesce(deadline)
+
+    def protection(self) -> str:
+        """The permissions of the mapping that holds the allocation's first byte."""
+        for row in Path(f"/proc/{self.proc.pid}/maps").read_text().splitlines():
+            lo, hi = (int(x, 16) for x in row.split()[0].split("-"))
+            if lo <= self.va < hi:
+                return row.split()[1]
+        return "unmapped"
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[Worker]:
+    w = Worker(tmp_path)
+    try:
+        yield w
+    finally:
+        w.block.close()
+        w.proc.kill()
+        w.proc.wait()
+
+
+def test_offload_releases_the_memory_and_reload_brings_it_back_at_the_same_address(worker: Worker) -> None:
+    dm = worker.block.devmem
+    assert dm.on and dm.count == 1 and dm.bytes >= SIZE and dm.stage_bytes == 0 and not dm.offloaded
+    assert worker.driver.fast_ranks() == [0]
+    assert worker.driver.prepare([0], time.monotonic() + 30) == {}  # while the job runs
+    dm = worker.block.devmem
+    assert dm.stage_bytes >= dm.bytes and Path(dm.stage_path).parent.name == "devmem"
+    assert os.path.getsize(dm.stage_path) == dm.stage_bytes
+    worker.quiesce()
+    assert worker.driver.offload([0], time.monotonic() + 30) == {}
+    dm = worker.block.devmem
+    assert worker.block.state()[0] == State.OFFLOADED and dm.offloaded and dm.offload_bytes == dm.bytes
+    with open(dm.stage_path, "rb") as f:  # the staging file holds the memory, byte for byte
+        assert hashlib.sha256(f.read(SIZE)).hexdigest() == worker.digest
+    assert worker.protection() == "---p"  # released: the range is reserved, nothing behind it
+    worker.say("launch")  # the runtime gate holds work while the memory is out
+    with pytest.raises(queue.Empty):
+        worker.line(0.5)
+    worker.driver.reload([0], time.monotonic() + 30)
+    assert worker.line() == "launched 0"  # and lets it go once it is back
+    assert worker.block.state()[0] == State.QUIESCED and not worker.block.devmem.offloaded
+    assert worker.protection() == "rw-s"
+    assert worker.ask("digest") == f"digest {worker.digest}"  # same address, same bytes
+    worker.driver.resume()
+    assert worker.block.state()[0] == State.RUNNING
+    # a second capture reuses the staging file (prepared once)
+    assert worker.driver.prepare([0], time.monotonic() + 30) == {}
+    assert worker.block.devmem.stage_bytes == dm.stage_bytes
+    assert worker.ask("free") == "freed 0"
+    assert worker.block.devmem.bytes == 0 and worker.protection() == "unmapped"
+
+
+def test_a_thread_that_keeps_running_sends_the_rank_to_the_plain_path_untouched(worker: Worker) -> None:
+    assert worker.driver.prepare([0], time.monotonic() + 30) == {}
+    assert worker.ask("spin") == "spinning"  # a thread the gates never see, computing
+    worker.quiesce()
+    refused = worker.driver.offload([0], time.monotonic() + 30)
+    assert "kept running while the job was held" in refused[0], refused
+    assert worker.block.state()[0] == State.QUIESCED and not worker.block.devmem.offloaded  # back for the plain path
+    assert worker.protection() == "rw-s"
+    assert worker.ask("unspin") == "unspun"
+    assert worker.ask("digest") == f"digest {worker.digest}"
+    worker.driver.resume()
+    assert worker.block.state()[0] == State.RUNNING
+
+
+def test_rebuild_brings_offloaded_memory_back_first(worker: Worker) -> None:
+    """The rollback path: a capture that fails after OFFLOAD resumes with REBUILD, which reloads first."""
+    assert worker.driver.prepare([0], time.monotonic() + 30) == {}
+    worker.quiesce()
+    assert worker.driver.offload([0], time.monotonic() + 30) == {}
+    assert worker.protection() == "---p"
+    worker.driver.resume()
+    assert worker.block.state()[0] == State.RUNNING and not worker.block.devmem.offloaded
+    assert worker.ask("digest") == f"digest {worker.digest}"
+
+
+def test_a_worker_that_never_calls_nccl_gets_its_block_from_its_first_served_allocation(tmp_path: Path) -> None:
+    """One-rank jobs: no communicator, yet the fast path's commands need the control block."""
+    w = Worker(tmp_path, nccl=False)
+    try:
+        assert w.block.devmem.on and w.block.comms() == []
+        assert w.driver.prepare([0], time.monotonic() + 30) == {}
+        w.quiesce()  # nothing to drain or destroy
+        assert w.driver.offload([0], time.monotonic() + 30) == {}
+        assert w.protection() == "---p"
+        w.driver.reload([0], time.monotonic() + 30)
+        assert w.ask("digest") == f"digest {w.digest}"
+        w.driver.resume()
+        assert w.block.state()[0] == State.RUNNING
+    finally:
+        w.block.close()
+        w.proc.kill()
+        w.proc.wait()
