@@ -66,7 +66,8 @@ def main() -> None:
         exe = t / "calls"
         subprocess.run(["cc", "-O2", "-o", str(exe), str(t / "calls.c"), f"-L{standin}", "-lnccl", str(cudart),
                         f"-Wl,-rpath,{standin}:{t / 'fake'}"], check=True)
-        env = dict(os.environ, STANDIN_NCCL_LIB=str(standin / "libnccl.so.2"))
+        env = dict(os.environ, STANDIN_NCCL_LIB=str(standin / "libnccl.so.2"),
+                   LD_LIBRARY_PATH=str(t / "fake"))  # the stand-in runtime dlopens the stand-in libcuda.so.1
         env.pop("CRYOSLEEP_NCCL_CTL", None)
         got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         for _ in range(a.repeats):  # alternating, so that drift hits both alike

@@ -323,9 +323,10 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     from tests.native.fakecuda.build import build
 
     _, cudart = build(tmp_path / "fake")
-    monkeypatch.setitem(h.env, "FAKE_CUDART", str(cudart))
-    monkeypatch.setitem(h.env, "LD_LIBRARY_PATH", os.pathsep.join([str(tmp_path / "fake"), str(STANDIN.parent)]))
-    monkeypatch.setenv("FAKE_CUDART", str(cudart))  # the reference run's
+    libs = os.pathsep.join([str(tmp_path / "fake"), str(STANDIN.parent)])
+    for k, v in (("FAKE_CUDART", str(cudart)), ("LD_LIBRARY_PATH", libs)):
+        monkeypatch.setitem(h.env, k, v)  # the job's
+        monkeypatch.setenv(k, v)  # the reference run's
     script = workload("nccl_devmem")
     args = lingering(tmp_path, 40)
     h.run("fast", script, args, flags=("--fast-path",))

@@ -41,12 +41,16 @@ assert lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n)) == 0
 buf = (ctypes.c_ubyte * n).from_address(p.value)
 for i in range(0, n, 512):
     buf[i] = (i // 512) % 251
+drv = ctypes.CDLL("libcuda.so.1")                   # the driver, as cuBLAS or Triton reach it (dlsym)
 class D3(ctypes.Structure):
     _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
 spinning = []
 def launch():
     rc = lib.cudaLaunchKernel(None, D3(1, 1, 1), D3(1, 1, 1), None, ctypes.c_size_t(0), None)
     print("launched", rc, flush=True)
+def drvlaunch():
+    rc = drv.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+    print("drvlaunched", rc, flush=True)
 def spin():
     while spinning:
         pass
@@ -57,6 +61,8 @@ for line in sys.stdin:
         print("digest", hashlib.sha256(bytes(buf)).hexdigest(), flush=True)
     elif cmd == "launch":
         threading.Thread(target=launch).start()
+    elif cmd == "drvlaunch":
+        threading.Thread(target=drvlaunch).start()
     elif cmd == "spin":
         spinning.append(1)
         threading.Thread(target=spin).start()
@@ -164,6 +170,23 @@ def test_offload_releases_the_memory_and_reload_brings_it_back_at_the_same_addre
     assert worker.block.devmem.stage_bytes == dm.stage_bytes
     assert worker.ask("free") == "freed 0"
     assert worker.block.devmem.bytes == 0 and worker.protection() == "unmapped"
+
+
+def test_work_submitted_through_the_driver_waits_while_the_memory_is_out(worker: Worker) -> None:
+    """cuBLAS and Triton launch through the driver API, not the runtime: the lookup (dlsym on libcuda, or
+    cuGetProcAddress) hands them gated wrappers, so their work waits for RELOAD too."""
+    worker.say("drvlaunch")
+    assert worker.line() == "drvlaunched 0"  # gate open: straight through
+    assert worker.driver.prepare([0], time.monotonic() + 30) == {}
+    worker.quiesce()
+    assert worker.driver.offload([0], time.monotonic() + 30) == {}
+    worker.say("drvlaunch")
+    worker.say("launch")  # the runtime's launch reaches the driver through cuGetProcAddress: gated twice, nested
+    with pytest.raises(queue.Empty):
+        worker.line(0.5)
+    worker.driver.reload([0], time.monotonic() + 30)
+    assert sorted([worker.line(), worker.line()]) == ["drvlaunched 0", "launched 0"]
+    worker.driver.resume()
 
 
 def test_a_thread_that_keeps_running_sends_the_rank_to_the_plain_path_untouched(worker: Worker) -> None:

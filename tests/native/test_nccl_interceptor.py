@@ -3,6 +3,7 @@ acting as the agent through the control block (ctl.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 from ctl import BLOCK_SIZE, CMD_QUIESCE, REBUILD_ID, REBUILD_SPLIT, ST_HOLDING, ST_QUIESCED, Agent, CommTarget, Ctl
-from nccl_jobs import INTERCEPTOR, STANDIN, WORKLOADS, Job, run, tcp_sockets
+from nccl_jobs import INTERCEPTOR, ROOT, STANDIN, WORKLOADS, Job, run, tcp_sockets
 
 STEPS = 24
 SPLITS = 4  # train.py splits world 4 times before its first step (sub, solo, temp, gone)
@@ -52,10 +53,17 @@ def test_exports_only_the_nccl_api_and_the_cuda_runtime_calls_it_wraps() -> None
     names = [s for s in syms if s.startswith("nccl")]
     assert "ncclAllReduce" in names and "ncclCommInitRank" in names and "ncclGroupStart" in names
     others = sorted(s for s in syms[2::3] if not s.startswith("nccl"))
-    # cudaipc.c counts the IPC calls; devmem.c serves device memory and gates the work-issuing calls
+    # cudaipc.c counts the IPC calls; devmem.c serves device memory and gates the work-issuing runtime calls;
+    # drvgate.c gates the driver's submission calls (dlsym, cuGetProcAddress and the calls themselves)
+    spec = importlib.util.spec_from_file_location("gen_wrappers", ROOT / "native/nccl/interceptor/gen_wrappers.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gen  # its dataclasses look their module up
+    spec.loader.exec_module(gen)
     assert others == sorted(["cudaIpcCloseMemHandle", "cudaIpcOpenMemHandle", "cudaMalloc", "cudaFree",
                              "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpy", "cudaMemcpyAsync",
-                             "cudaMemcpy2DAsync", "cudaMemset", "cudaMemsetAsync", "cudaGraphLaunch"])
+                             "cudaMemcpy2DAsync", "cudaMemset", "cudaMemsetAsync", "cudaGraphLaunch", "dlsym",
+                             "cuGetProcAddress", "cuGetProcAddress_v2", *gen.DRIVER_EXPORTS])
 
 
 @pytest.mark.parametrize("case", ["others", "split", "allreduce"])

@@ -120,7 +120,11 @@ ncclResult_t cs_gate(struct cs_tslot* t, enum cs_kind kind, struct cs_vcomm* v, 
 int cs_at_cut(int exact);
 void cs_peer_capped(struct cs_vcomm* v);
 
-/* devmem.c: the fast path's device memory (the control thread runs these) */
+/* devmem.c: the fast path's device memory (the control thread runs these); drvgate.c: the driver gate */
+struct cs_tslot* cs_dm_enter(void);
+void cs_dm_leave(struct cs_tslot* t);
+void* cs_real_dlsym(void* handle, const char* name);
+int cs_drv_complete(void);
 int cs_dm_prepare(char* err, size_t n);
 int cs_dm_offload(char* err, size_t n);
 int cs_dm_reload(char* err, size_t n);

@@ -114,7 +114,7 @@ static size_t dm_n, dm_cap;
 static size_t dm_bytes; /* mapped bytes served through VMM */
 
 static void* sym(void* h, const char* name) {
-  void* p = dlsym(h, name);
+  void* p = cs_real_dlsym(h, name); /* never a gated wrapper: the control thread copies while the gate is closed */
   if (!p) cs_log("devmem: %s missing from libcuda: device memory stays with cudaMalloc", name);
   return p;
 }
@@ -208,15 +208,23 @@ static void dm_wait_gate(struct cs_tslot* t) {
   cs_held_tid(t->owner, 0);
 }
 
+/* Enter a gated call. Calls nest (the runtime's cudaLaunchKernel reaches the driver's cuLaunchKernel, both
+ * gated): only the outermost one waits at a closed gate, and the thread counts as inside until it leaves it. */
 static inline struct cs_tslot* dm_enter(void) {
   struct cs_tslot* t = cs_thread();
-  __atomic_store_n(&t->rt, 1, __ATOMIC_RELAXED);
+  int depth = __atomic_load_n(&t->rt, __ATOMIC_RELAXED);
+  __atomic_store_n(&t->rt, depth + 1, __ATOMIC_RELAXED);
   __atomic_signal_fence(__ATOMIC_SEQ_CST); /* ordered against the control thread by its membarrier */
-  if (__builtin_expect(__atomic_load_n(&dm_gate, __ATOMIC_ACQUIRE), 0)) dm_wait_gate(t);
+  if (__builtin_expect(depth == 0 && __atomic_load_n(&dm_gate, __ATOMIC_ACQUIRE), 0)) dm_wait_gate(t);
   return t;
 }
 
-static inline void dm_leave(struct cs_tslot* t) { __atomic_store_n(&t->rt, 0, __ATOMIC_RELEASE); }
+static inline void dm_leave(struct cs_tslot* t) {
+  __atomic_store_n(&t->rt, __atomic_load_n(&t->rt, __ATOMIC_RELAXED) - 1, __ATOMIC_RELEASE);
+}
+
+struct cs_tslot* cs_dm_enter(void) { return dm_enter(); }
+void cs_dm_leave(struct cs_tslot* t) { dm_leave(t); }
 
 #define DM_REAL(ret, name, params)                                          \
   static ret(*real) params;                                               \
@@ -585,6 +593,8 @@ int cs_dm_offload(char* err, size_t n) {
   static struct dm_thr a[DM_THREADS], b[DM_THREADS];
   if (dm_out) return 0;
   if (cu.ready != 1) return snprintf(err, n, "OFFLOAD: the fast path is off"), -1;
+  if (!cs_drv_complete())
+    return snprintf(err, n, "OFFLOAD: some CUDA driver calls of this process could not be gated"), -1;
   __atomic_store_n(&dm_gate, 1, __ATOMIC_RELEASE);
   cs_fence_all(); /* every thread entering a gated call from now on sees the gate */
   int self = gettid(), na = 0;

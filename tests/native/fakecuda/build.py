@@ -13,6 +13,6 @@ def build(out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     cuda, cudart = out / "libcuda.so.1", out / "libfakecudart.so"
     for src, lib in ((HERE / "libcuda.c", cuda), (HERE / "libcudart.c", cudart)):
-        subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(lib), str(src)],
-                       check=True)
+        subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(lib), str(src),
+                        "-ldl"], check=True)
     return cuda, cudart

@@ -1,7 +1,9 @@
 /* A stand-in for the CUDA runtime calls the fast path's tests make (cudaMalloc, cudaFree, cudaMemcpy,
  * cudaLaunchKernel), over host memory. The interceptor, preloaded, wraps them as it wraps the real
- * runtime's. A "kernel" is a host function run by cudaLaunchKernel, so that a workload reaches its "device
- * memory" only through launches and copies, as on a GPU. Built as libfakecudart.so by build.py. */
+ * runtime's. A "kernel" is a host function, launched through the stand-in driver's cuLaunchKernel (found with
+ * cuGetProcAddress, as the real runtime finds it), so that a workload reaches its "device memory" only
+ * through launches and copies, as on a GPU. Built as libfakecudart.so by build.py. */
+#include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,10 +25,18 @@ int cudaMemcpy(void* dst, const void* src, size_t n, int kind) {
   memcpy(dst, src, n);
   return 0;
 }
+/* Launches through the driver, found as a real runtime finds it: dlopen libcuda, dlsym cuGetProcAddress_v2,
+ * ask it for cuLaunchKernel. */
+typedef int (*launch_fn)(const void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                         void**, void**);
 int cudaLaunchKernel(const void* f, struct dim3 g, struct dim3 b, void** a, size_t m, void* s) {
-  (void)g, (void)b, (void)m, (void)s;
+  static launch_fn launch;
+  if (!launch) {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW);
+    int (*gpa)(const char*, void**, int, unsigned long long, int*) = h ? dlsym(h, "cuGetProcAddress_v2") : NULL;
+    if (!gpa || gpa("cuLaunchKernel", (void**)&launch, 12000, 0, NULL) != 0) return 3;
+  }
   launches++;
-  if (f) ((void (*)(void**))f)(a);
-  return 0;
+  return launch(f, g.x, g.y, g.z, b.x, b.y, b.z, (unsigned)m, s, a, NULL);
 }
 long fake_launches(void) { return launches; }
