@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +39,29 @@ NOT_EXPECTED = ("/proc/", "/sys/", "/dev/")
 VOLATILE = ("/tmp/", "/dev/shm/", "/run/")
 
 
-def writable_files(root_pid: int) -> list[str]:
-    """Regular files held open for writing by any process of the tree, and files it holds open or maps
-    under VOLATILE, each path once, in tree order."""
-    seen: dict[str, None] = {}
+@dataclass(frozen=True)
+class Held:
+    """What a (frozen) tree holds, from one pass over /proc: ``staged``, the regular files held open for
+    writing by any of its processes and those it holds open or maps under VOLATILE; ``held``, every path
+    it holds open or maps; each path once, in tree order."""
+
+    staged: list[str]
+    held: list[str]
+
+
+def scan(root_pid: int) -> Held:
+    held: dict[str, None] = {}
+    staged: dict[str, None] = {}
     for pid in proctree.tree(root_pid):
-        wanted = [m for m in sorted(proctree.maps_paths(pid)) if m.startswith(VOLATILE)]
+        maps = sorted(proctree.maps_paths(pid))
+        wanted = [m for m in maps if m.startswith(VOLATILE)]
         for f in proctree.open_files(pid):
-            if f.is_path and (f.writable or f.target.startswith(VOLATILE)):
-                wanted.append(f.target)
+            if f.is_path:
+                held.setdefault(f.target, None)
+                if f.writable or f.target.startswith(VOLATILE):
+                    wanted.append(f.target)
+        for m in maps:
+            held.setdefault(m, None)
         for path in wanted:
             if path.endswith(" (deleted)"):
                 continue
@@ -55,8 +70,14 @@ def writable_files(root_pid: int) -> list[str]:
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                seen.setdefault(path, None)
-    return list(seen)
+                staged.setdefault(path, None)
+    return Held(list(staged), list(held))
+
+
+def writable_files(root_pid: int) -> list[str]:
+    """Regular files held open for writing by any process of the tree, and files it holds open or maps
+    under VOLATILE, each path once, in tree order."""
+    return scan(root_pid).staged
 
 
 def copy_hashed(src: str, dst: Path, size: int, block: int = 8 << 20) -> str:
@@ -114,15 +135,17 @@ def _hash_range(path: str, start: int, end: int) -> str:
 
 
 def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT,
-          extra: list[str] | None = None, skip: list[str] | None = None) -> list[StagedFile]:
+          extra: list[str] | None = None, skip: list[str] | None = None, held: Held | None = None) -> list[
+            StagedFile]:
     """Copy (or fingerprint) every writable file of the frozen tree into ``dest``; write the index.
 
     ``extra`` names more files to stage the same way: the NCCL control blocks, which the workers map but do
     not hold open (CRIU records the mapping by path; the restore needs the file back as it was). ``skip``
-    names files the snapshot carries another way (the fast path's staging files, copied after the freeze)."""
+    names files the snapshot carries another way (the fast path's staging files, copied after the freeze).
+    ``held``: the tree's scan, when the caller has it already (the hook scans once, inside the freeze)."""
     dest.mkdir(parents=True, exist_ok=True)
     out: list[StagedFile] = []
-    found = [p for p in writable_files(root_pid) if p not in set(skip or [])]
+    found = [p for p in (held or scan(root_pid)).staged if p not in set(skip or [])]
     for path in extra or []:
         if path not in found and os.path.isfile(path):
             found.append(path)
@@ -145,18 +168,11 @@ def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT,
     return out
 
 
-def held_files(root_pid: int, exclude: set[str]) -> list[str]:
+def held_files(root_pid: int, exclude: set[str], held: Held | None = None) -> list[str]:
     """Regular files the tree holds open or maps (the Python installation, datasets), each path once,
     except ``exclude`` (the staged ones) and deleted files (CRIU carries those itself)."""
-    seen: dict[str, None] = {}
-    for pid in proctree.tree(root_pid):
-        for f in proctree.open_files(pid):
-            if f.is_path:
-                seen.setdefault(f.target, None)
-        for path in sorted(proctree.maps_paths(pid)):
-            seen.setdefault(path, None)
     out = []
-    for path in seen:
+    for path in (held or scan(root_pid)).held:
         if path in exclude or path.endswith(" (deleted)") or path.startswith(NOT_EXPECTED):
             continue
         try:
@@ -167,10 +183,11 @@ def held_files(root_pid: int, exclude: set[str]) -> list[str]:
     return out
 
 
-def record_expected(root_pid: int, dest: Path, staged: list[StagedFile]) -> list[ExpectedFile]:
+def record_expected(root_pid: int, dest: Path, staged: list[StagedFile], held: Held | None = None) -> list[
+        ExpectedFile]:
     """Size and mtime of every file the frozen tree reads or maps (``expected.json`` in ``dest``)."""
     out = []
-    for path in held_files(root_pid, {s.path for s in staged}):
+    for path in held_files(root_pid, {s.path for s in staged}, held):
         try:
             st = os.stat(path)
         except OSError:

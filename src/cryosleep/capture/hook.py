@@ -40,8 +40,9 @@ def main() -> int:
     extra = [p for p in os.environ.get("CRYOSLEEP_HOOK_EXTRA_FILES", "").split(os.pathsep) if p]
     skip = [p for p in os.environ.get("CRYOSLEEP_HOOK_SKIP", "").split(os.pathsep) if p]
     try:
-        staged = files.stage(root, dest, limit, extra, skip)
-        files.record_expected(root, dest, staged)
+        held = files.scan(root)  # one pass over /proc while the tree is frozen, for both
+        staged = files.stage(root, dest, limit, extra, skip, held)
+        files.record_expected(root, dest, staged, held)
     except OSError as e:
         return fail(f"staging the job's files failed: {e}")
     fault = os.environ.get("CRYOSLEEP_FAULT", "")
