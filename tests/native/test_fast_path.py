@@ -51,6 +51,13 @@ def launch():
 def drvlaunch():
     rc = drv.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
     print("drvlaunched", rc, flush=True)
+def gpalaunch():
+    # cuGetProcAddress_v2 looked up in the global scope finds the interceptor's own export first
+    gpa = lib.cuGetProcAddress_v2
+    fn = ctypes.c_void_p()
+    rc = gpa(b"cuLaunchKernel", ctypes.byref(fn), 12000, ctypes.c_ulonglong(0), None)
+    launch = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3)(fn.value)
+    print("gpalaunched", rc, launch(None, 1, 1, 1, 1, 1, 1, 0, None, None, None), flush=True)
 def spin():
     while spinning:
         pass
@@ -61,6 +68,8 @@ for line in sys.stdin:
         print("digest", hashlib.sha256(bytes(buf)).hexdigest(), flush=True)
     elif cmd == "launch":
         threading.Thread(target=launch).start()
+    elif cmd == "gpalaunch":
+        threading.Thread(target=gpalaunch).start()
     elif cmd == "drvlaunch":
         threading.Thread(target=drvlaunch).start()
     elif cmd == "spin":
@@ -177,15 +186,19 @@ def test_work_submitted_through_the_driver_waits_while_the_memory_is_out(worker:
     cuGetProcAddress) hands them gated wrappers, so their work waits for RELOAD too."""
     worker.say("drvlaunch")
     assert worker.line() == "drvlaunched 0"  # gate open: straight through
+    worker.say("gpalaunch")
+    assert worker.line() == "gpalaunched 0 0"
     assert worker.driver.prepare([0], time.monotonic() + 30) == {}
     worker.quiesce()
     assert worker.driver.offload([0], time.monotonic() + 30) == {}
     worker.say("drvlaunch")
     worker.say("launch")  # the runtime's launch reaches the driver through cuGetProcAddress: gated twice, nested
+    worker.say("gpalaunch")  # a pointer from cuGetProcAddress, itself found in the global scope
     with pytest.raises(queue.Empty):
         worker.line(0.5)
     worker.driver.reload([0], time.monotonic() + 30)
-    assert sorted([worker.line(), worker.line()]) == ["drvlaunched 0", "launched 0"]
+    got = sorted(worker.line() for _ in range(3))
+    assert got == ["drvlaunched 0", "gpalaunched 0 0", "launched 0"]
     worker.driver.resume()
 
 

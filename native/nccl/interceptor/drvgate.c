@@ -155,14 +155,26 @@ static int gpa2(const char* s, void** pfn, int v, unsigned long long f, int* sta
   return r;
 }
 
+static void* libcuda(void);
+int cuGetProcAddress(const char* s, void** pfn, int v, unsigned long long f);
+int cuGetProcAddress_v2(const char* s, void** pfn, int v, unsigned long long f, int* status);
+
+/* The driver's own function behind a lookup that may have found this library's export (RTLD_DEFAULT finds
+ * ours first): never ours, or a wrapper would call itself. NULL while libcuda is not loaded. */
+static void* driver_own(const char* name, void* p) {
+  if (p != (void*)gpa && p != (void*)gpa2 && p != (void*)cuGetProcAddress && p != (void*)cuGetProcAddress_v2)
+    return p;
+  return libcuda() ? cs_real_dlsym(libcuda(), name) : NULL;
+}
+
 static void* wrap(const char* name, void* p) {
   if (strcmp(name, "cuGetProcAddress") == 0) {
-    if (p != (void*)gpa && p != (void*)gpa2) *(void**)&real_gpa = p;
-    return (void*)gpa;
+    if (!real_gpa) *(void**)&real_gpa = driver_own(name, p);
+    return real_gpa ? (void*)gpa : p;
   }
   if (strcmp(name, "cuGetProcAddress_v2") == 0) {
-    if (p != (void*)gpa && p != (void*)gpa2) *(void**)&real_gpa2 = p;
-    return (void*)gpa2;
+    if (!real_gpa2) *(void**)&real_gpa2 = driver_own(name, p);
+    return real_gpa2 ? (void*)gpa2 : p;
   }
   return is_gated(name) ? gate_fn(name, p) : p;
 }
