@@ -385,7 +385,7 @@ static void* cs_control_main(void* arg) {
     __atomic_store_n(&cs_ctl->busy, (uint32_t)busy, __ATOMIC_RELAXED);
     __atomic_store_n(&cs_ctl->in_group, (uint32_t)in_group, __ATOMIC_RELAXED);
     uint64_t w = __atomic_load_n(&cs_ctl->cmd, __ATOMIC_ACQUIRE);
-    if (w != last) {
+    if (w != last && w != 0) {  /* 0: a blank word (a file being blanked or recreated), never a command */
       cs_handle(w, last);
       last = w;
     }
