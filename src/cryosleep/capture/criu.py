@@ -87,16 +87,23 @@ def unlock_network(criu: Criu, rid: str | None) -> None:
                                capture_output=True, check=False)
 
 
-def hook_command(root_pid: int, stage_dir: Path) -> tuple[str, dict[str, str]]:
-    """CRIU's --action-script (an executable path: CRIU execs it as is) and the environment it reads."""
-    script = paths.home() / "bin" / f"criu-hook-{os.getuid()}"
-    text = f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m cryosleep.capture.hook \"$@\"\n"
+def action_script(name: str, text: str) -> str:
+    """An executable script for CRIU's --action-script (CRIU execs the path as is), in $CRYOSLEEP_HOME/bin,
+    rewritten atomically only when its text changed; returns its path."""
+    script = paths.home() / "bin" / f"{name}-{os.getuid()}"
     if not script.exists() or script.read_text() != text:
         script.parent.mkdir(parents=True, exist_ok=True)
         tmp = script.with_suffix(f".{os.getpid()}")
         tmp.write_text(text)
         tmp.chmod(0o755)
         os.replace(tmp, script)
+    return str(script)
+
+
+def hook_command(root_pid: int, stage_dir: Path) -> tuple[str, dict[str, str]]:
+    """CRIU's --action-script (an executable path: CRIU execs it as is) and the environment it reads."""
+    script = action_script("criu-hook",
+                           f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m cryosleep.capture.hook \"$@\"\n")
     env = {
         "CRYOSLEEP_HOOK_ROOT_PID": str(root_pid),
         "CRYOSLEEP_HOOK_STAGE_DIR": str(stage_dir),

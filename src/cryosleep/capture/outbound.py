@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryosleep import paths
 from cryosleep.agent import proctree
 from cryosleep.agent.job import JobSpec
+from cryosleep.capture.criu import action_script
 from cryosleep.errors import UsageError
 from cryosleep.timing import Phases
 
@@ -422,16 +422,8 @@ def reset(init_pid: int, policy: Policy, nets: Sequence[Network], *, skip: Itera
 def _hook_script() -> str:
     """CRIU's --action-script for a restore: runs ``python -m cryosleep.capture.outbound`` at pre-resume only
     (CRIU calls it at every stage; the other stages cost a shell, not a Python)."""
-    script = paths.home() / "bin" / f"criu-outbound-{os.getuid()}"
-    text = (f"#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = pre-resume ] || exit 0\n"
-            f"exec {shlex.quote(sys.executable)} -m cryosleep.capture.outbound\n")
-    if not script.exists() or script.read_text() != text:
-        script.parent.mkdir(parents=True, exist_ok=True)
-        tmp = script.with_suffix(f".{os.getpid()}")
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        os.replace(tmp, script)
-    return str(script)
+    return action_script("criu-outbound", f"#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = pre-resume ] || exit 0\n"
+                                          f"exec {shlex.quote(sys.executable)} -m cryosleep.capture.outbound\n")
 
 
 @dataclass
