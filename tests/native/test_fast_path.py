@@ -45,27 +45,32 @@ drv = ctypes.CDLL("libcuda.so.1")                   # the driver, as cuBLAS or T
 class D3(ctypes.Structure):
     _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
 spinning = []
+said = threading.Lock()
+def out(*words):                                    # one whole line per write: threads answer concurrently
+    with said:
+        sys.stdout.write(" ".join(str(w) for w in words) + "\\n")
+        sys.stdout.flush()
 def launch():
     rc = lib.cudaLaunchKernel(None, D3(1, 1, 1), D3(1, 1, 1), None, ctypes.c_size_t(0), None)
-    print("launched", rc, flush=True)
+    out("launched", rc)
 def drvlaunch():
     rc = drv.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
-    print("drvlaunched", rc, flush=True)
+    out("drvlaunched", rc)
 def gpalaunch():
     # cuGetProcAddress_v2 looked up in the global scope finds the interceptor's own export first
     gpa = lib.cuGetProcAddress_v2
     fn = ctypes.c_void_p()
     rc = gpa(b"cuLaunchKernel", ctypes.byref(fn), 12000, ctypes.c_ulonglong(0), None)
     launch = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3)(fn.value)
-    print("gpalaunched", rc, launch(None, 1, 1, 1, 1, 1, 1, 0, None, None, None), flush=True)
+    out("gpalaunched", rc, launch(None, 1, 1, 1, 1, 1, 1, 0, None, None, None))
 def spin():
     while spinning:
         pass
-print("ready", hex(p.value), hashlib.sha256(bytes(buf)).hexdigest(), flush=True)
+out("ready", hex(p.value), hashlib.sha256(bytes(buf)).hexdigest())
 for line in sys.stdin:
     cmd = line.split()[0]
     if cmd == "digest":
-        print("digest", hashlib.sha256(bytes(buf)).hexdigest(), flush=True)
+        out("digest", hashlib.sha256(bytes(buf)).hexdigest())
     elif cmd == "launch":
         threading.Thread(target=launch).start()
     elif cmd == "gpalaunch":
@@ -75,12 +80,12 @@ for line in sys.stdin:
     elif cmd == "spin":
         spinning.append(1)
         threading.Thread(target=spin).start()
-        print("spinning", flush=True)
+        out("spinning")
     elif cmd == "unspin":
         spinning.clear()
-        print("unspun", flush=True)
+        out("unspun")
     elif cmd == "free":
-        print("freed", lib.cudaFree(p), flush=True)
+        out("freed", lib.cudaFree(p))
 """
 
 
