@@ -134,165 +134,270 @@ def nccl_facts(nccl: Driver) -> dict[str, Any]:
     return {"generation": nccl.gen, "ranks": ranks}
 
 
-def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.0,
-         progress: Progress | None = None, fault: str | None = None) -> Manifest:
-    phases = Phases(progress)
-    criu = criu_install.locate()
-    deadline = time.monotonic() + timeout
-    staging: Staging | None = None
-    gpus = cuda.GpuSet([])
-    gpu_facts: dict[str, Any] = {}
-    nccl: Driver | None = None
-    nccl_info: dict[str, Any] = {}
-    held = False
-    committed = False
-    dump_rid: str | None = None
-    node_rank = target.spec.node_rank
-    tree: list[int] = []
-    try:
-        with phases.phase("preflight"):
+class NodeCapture:
+    """One node's snapshot in progress: what a rollback must undo, and one method per step.
+
+    ``take`` runs the steps in order for a one-node job; a coordinated snapshot
+    (``agent/coordinated.py``) runs the same steps one coordinator command at a time. ``rollback`` is the one
+    way back from wherever a failure left the node."""
+
+    def __init__(self, target: Target, store: LocalStore, *, stop: bool, deadline: float,
+                 progress: Progress | None = None, fault: str | None = None) -> None:
+        self.target = target
+        self.store = store
+        self.stop = stop
+        self.deadline = deadline
+        self.fault = fault
+        self.phases = Phases(progress)
+        self.criu = criu_install.locate()
+        self.staging: Staging | None = None
+        self.gpus = cuda.GpuSet([])
+        self.gpu_facts: dict[str, Any] = {}
+        self.nccl: Driver | None = None
+        self.nccl_info: dict[str, Any] = {}
+        self.held = False  # CRIU left the tree stopped (a stop snapshot's dump): released by rollback or end
+        self.committed = False
+        self.dump_rid: str | None = None
+        self.dumped = False
+        self.tree: list[int] = []
+        self.rss = 0
+        self.mounts: list[str] = []
+        self.outbound_facts: dict[str, Any] = {}
+        self.fast: list[int] = []
+        self.fast_skipped: dict[int, str] = {}
+        self.manifest: Manifest | None = None
+
+    @property
+    def node_rank(self) -> int:
+        return self.target.spec.node_rank
+
+    def time_left(self) -> float:
+        return max(1.0, self.deadline - time.monotonic())
+
+    def preflight(self) -> None:
+        """What cannot be captured is refused with reasons, before anything is touched; the staging begins."""
+        target = self.target
+        with self.phases.phase("preflight"):
             problems = [c for c in eligibility.process_checks(target.init_pid) if not c.ok and c.fatal]
-            nccl = nccl_driver(target)
-            if nccl is not None:
-                problems += [c for c in eligibility.interceptor_checks(nccl.blocks) if not c.ok and c.fatal]
+            self.nccl = nccl_driver(target)
+            if self.nccl is not None:
+                problems += [c for c in eligibility.interceptor_checks(self.nccl.blocks) if not c.ok and c.fatal]
             if problems:
                 raise _refuse(target, problems)
-            tree = proctree.tree(target.init_pid)
-            rss = sum(proctree.rss_bytes(p) for p in tree)
+            self.tree = proctree.tree(target.init_pid)
+            self.rss = sum(proctree.rss_bytes(p) for p in self.tree)
             if cuda.gpu_processes(target.init_pid):
-                gpus = cuda.GpuSet(cuda.cuda_processes(target.init_pid))
+                self.gpus = cuda.GpuSet(cuda.cuda_processes(target.init_pid))
                 drv = cuda.driver()
-                gpu_facts = {"driver": drv.version(), "gpus": [
+                self.gpu_facts = {"driver": drv.version(), "gpus": [
                     {"index": g.index, "uuid": g.uuid_str, "name": g.name} for g in drv.gpus()],
-                    "cuda_pids": [proctree.ns_pid(p) for p in gpus.pids]}
-            mounts = criu_calls.external_mounts(target.init_pid) if _own_mount_ns(target.init_pid) else []
-            staging = store.begin(target.spec.name)
-        outbound_facts = outbound.before_dump(target.spec, target.init_pid, phases, deadline)
-        node_dir = staging.node_dir(node_rank)
-        fast: list[int] = []
-        fast_skipped: dict[int, str] = {}
+                    "cuda_pids": [proctree.ns_pid(p) for p in self.gpus.pids]}
+            self.mounts = criu_calls.external_mounts(target.init_pid) if _own_mount_ns(target.init_pid) else []
+            self.staging = self.store.begin(target.spec.name)
+
+    def before_pause(self) -> None:
+        """Job still running: outside peers' send queues drained (bounded); the fast path's staging grown."""
+        self.outbound_facts = outbound.before_dump(self.target.spec, self.target.init_pid, self.phases, self.deadline)
+        nccl = self.nccl
         if nccl is not None and nccl.fast_ranks():
-            with phases.phase("prepare"):
-                fast_skipped = nccl.prepare(nccl.fast_ranks(), deadline)
-                fast = [r for r in nccl.fast_ranks() if r not in fast_skipped]
-        if nccl is not None:
-            with phases.phase("drain"):
-                nccl.hold(deadline)
-                nccl.drain(deadline)
-            with phases.phase("quiesce"):
-                nccl.quiesce(deadline)
-                nccl_info = nccl_facts(nccl)
-        if nccl is not None and fast:
-            with phases.phase("offload"):
-                refused = nccl.offload(fast, deadline)
-                fast_skipped.update(refused)
-                fast = [r for r in fast if r not in refused]
-        if gpus.pids:
-            with phases.phase("cuda-lock"):
-                gpus.lock(target.cuda_lock_timeout)
-            with phases.phase("cuda-checkpoint"):
-                gpus.checkpoint()
-        with phases.phase("dump"):
-            extra = {"CRYOSLEEP_FAULT": fault} if fault else {}
+            with self.phases.phase("prepare"):
+                self.fast_skipped = nccl.prepare(nccl.fast_ranks(), self.deadline)
+                self.fast = [r for r in nccl.fast_ranks() if r not in self.fast_skipped]
+
+    def quiesce(self) -> None:
+        """(at the cut) every rank destroys its real communicators; the fast path moves device memory out."""
+        nccl = self.nccl
+        if nccl is None:
+            return
+        with self.phases.phase("quiesce"):
+            nccl.quiesce(self.deadline)
+            self.nccl_info = nccl_facts(nccl)
+        if self.fast:
+            with self.phases.phase("offload"):
+                refused = nccl.offload(self.fast, self.deadline)
+                self.fast_skipped.update(refused)
+                self.fast = [r for r in self.fast if r not in refused]
+
+    def dump(self) -> None:
+        """CUDA checkpoint and CRIU dump; keep-running: CUDA and the fast path's memory back at once."""
+        if self.gpus.pids:
+            with self.phases.phase("cuda-lock"):
+                self.gpus.lock(self.target.cuda_lock_timeout)
+            with self.phases.phase("cuda-checkpoint"):
+                self.gpus.checkpoint()
+        assert self.staging is not None
+        with self.phases.phase("dump"):
+            extra = {"CRYOSLEEP_FAULT": self.fault} if self.fault else {}
+            nccl = self.nccl
             if nccl is not None:  # the control blocks, copied while CRIU holds the tree frozen
                 extra["CRYOSLEEP_HOOK_EXTRA_FILES"] = os.pathsep.join(str(b.path) for b in nccl.blocks.values())
                 stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
-                if stages:  # the fast path's staging files: copied below, outside the freeze
+                if stages:  # the fast path's staging files: copied in ``commit``, outside the freeze
                     extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
-            res = criu_calls.dump(criu, target.init_pid, node_dir, leave="stopped" if stop else "running",
-                                  timeout=max(1.0, deadline - time.monotonic()), extra_env=extra, mounts=mounts)
-            dump_rid = res.run_id
-            held = stop
-        if gpus.pids and not stop:
-            with phases.phase("cuda-restore"):
-                gpus.restore()
-            with phases.phase("cuda-unlock"):
-                gpus.unlock()
-        if nccl is not None and fast and not stop:
-            with phases.phase("reload"):
-                nccl.reload(fast, deadline)
-        if nccl is not None and not stop:
-            with phases.phase("rebuild"):
-                nccl.resume()
+            res = criu_calls.dump(self.criu, self.target.init_pid, self.staging.node_dir(self.node_rank),
+                                  leave="stopped" if self.stop else "running", timeout=self.time_left(),
+                                  extra_env=extra, mounts=self.mounts)
+            self.dump_rid = res.run_id
+            self.held = self.stop
+            self.dumped = True
+        if self.gpus.pids and not self.stop:
+            with self.phases.phase("cuda-restore"):
+                self.gpus.restore()
+            with self.phases.phase("cuda-unlock"):
+                self.gpus.unlock()
+        if self.nccl is not None and self.fast and not self.stop:
+            with self.phases.phase("reload"):
+                self.nccl.reload(self.fast, self.deadline)
+
+    def rebuild(self) -> None:
+        """(keep-running, one node) every communicator re-created, the gates open: the pause ends."""
+        if self.nccl is not None:
+            with self.phases.phase("rebuild"):
+                self.nccl.resume()
+
+    def commit(self) -> Manifest:
+        """The fast path's device memory copied into the image, every file hashed, the snapshot published."""
+        staging, target = self.staging, self.target
+        assert staging is not None
+        node_dir = staging.node_dir(self.node_rank)
         devmem_sums: dict[str, str] = {}
+        nccl = self.nccl
         if nccl is not None and any(b.devmem.stage_path for b in nccl.blocks.values()):  # mapped: CRIU needs them
-            with phases.phase("devmem"):
-                gpu_facts["fast_path"] = save_devmem(nccl, fast, fast_skipped, node_dir, devmem_sums)
-        with phases.phase("checksum"):
-            image_files = hash_tree(staging.path, [f"nodes/{node_rank}"], known=devmem_sums)
+            with self.phases.phase("devmem"):
+                self.gpu_facts["fast_path"] = save_devmem(nccl, self.fast, self.fast_skipped, node_dir, devmem_sums)
+        with self.phases.phase("checksum"):
+            image_files = hash_tree(staging.path, [f"nodes/{self.node_rank}"], known=devmem_sums)
             staged = files.read_index(node_dir / "files")
             expected = files.read_expected(node_dir / "files")
             files.hash_expected(expected, paths.home() / "cache" / "file-hashes.json")
-        node = NodeImage(node_rank=node_rank, ranks=target.spec.ranks, init_pid=target.init_pid,
-                         files=image_files, staged=staged, processes=len(tree), rss_bytes=rss, gpu=gpu_facts,
-                         mounts=mounts, nccl=nccl_info, expected=expected, outbound=outbound_facts)
+        node = NodeImage(node_rank=self.node_rank, ranks=target.spec.ranks, init_pid=target.init_pid,
+                         files=image_files, staged=staged, processes=len(self.tree), rss_bytes=self.rss,
+                         gpu=self.gpu_facts, mounts=self.mounts, nccl=self.nccl_info, expected=expected,
+                         outbound=self.outbound_facts)
         manifest = Manifest(
-            id=staging.id, job=target.spec.to_json(), mode="stop" if stop else "keep-running",
-            created_at=time.time(), nodes=[node], host=host_facts(criu, target.runtime),
+            id=staging.id, job=target.spec.to_json(), mode="stop" if self.stop else "keep-running",
+            created_at=time.time(), nodes=[node], host=host_facts(self.criu, target.runtime),
             phases={}, pause_s=0.0, restored_from=target.restored_from,
         )
-        manifest.phases = phases.rounded()
-        manifest.pause_s = round(phases.total(PAUSE), 4)
-        with phases.phase("commit"):
-            store.commit(staging, manifest)
-            committed = True
-        if stop:
-            with phases.phase("verify"):
-                if time.monotonic() > deadline:
-                    raise CaptureFailed(f"the stop snapshot ran past its {timeout:g} s timeout", "",
-                                        "retry with a longer --timeout")
-                bad = store.verify(manifest.id)
-                if bad:
-                    raise CaptureFailed("the stored image failed verification", "; ".join(bad[:5]),
-                                        "check the store's disk; the job was resumed")
-            if target.persist is not None:
-                with phases.phase("persist"):
-                    target.persist(manifest, deadline)
-            with phases.phase("end"):
-                if target.end:
-                    target.end(manifest.id)
-                held = False
-                gpus.pids = []  # they are gone with the job
-                if nccl is not None:
-                    nccl.close()  # and so are their interceptors: nothing to roll back
-                criu_calls.unlock_network(criu, dump_rid)
-        manifest.phases = phases.rounded()
-        keep = PAUSE if not stop else [*PAUSE, "checksum", "commit", "verify", "persist", "end"]
-        manifest.pause_s = round(phases.total(keep), 4)
-        _rewrite_manifest(store, manifest)
+        manifest.phases = self.phases.rounded()
+        manifest.pause_s = round(self.phases.total(PAUSE), 4)
+        with self.phases.phase("commit"):
+            self.store.commit(staging, manifest)
+            self.committed = True
+        self.manifest = manifest
         return manifest
-    except BaseException as e:
-        # The one rollback path. Order matters: the tasks must run (CRIU released) and their CUDA work be
-        # back before the interceptors can rebuild communicators.
+
+    def verify(self, timeout: float) -> None:
+        """Every stored file re-read and checked against the manifest, inside the deadline."""
+        assert self.manifest is not None
+        with self.phases.phase("verify"):
+            if time.monotonic() > self.deadline:
+                raise CaptureFailed(f"the stop snapshot ran past its {timeout:g} s timeout", "",
+                                    "retry with a longer --timeout")
+            bad = self.store.verify(self.manifest.id)
+            if bad:
+                raise CaptureFailed("the stored image failed verification", "; ".join(bad[:5]),
+                                    "check the store's disk; the job was resumed")
+
+    def persist(self) -> None:
+        """(stop, with a remote store) stored and verified there, inside the deadline."""
+        if self.target.persist is not None:
+            assert self.manifest is not None
+            with self.phases.phase("persist"):
+                self.target.persist(self.manifest, self.deadline)
+
+    def end(self) -> None:
+        """(stop, the snapshot safe) the held job is killed: it lives on only in the snapshot."""
+        assert self.manifest is not None
+        with self.phases.phase("end"):
+            if self.target.end:
+                self.target.end(self.manifest.id)
+            self.held = False
+            self.gpus.pids = []  # they are gone with the job
+            if self.nccl is not None:
+                self.nccl.close()  # and so are their interceptors: nothing to roll back
+            criu_calls.unlock_network(self.criu, self.dump_rid)
+
+    def finish(self) -> Manifest:
+        """The final phase times (and pause) written into the published manifest."""
+        manifest = self.manifest
+        assert manifest is not None
+        manifest.phases = self.phases.rounded()
+        keep = PAUSE if not self.stop else [*PAUSE, "checksum", "commit", "verify", "persist", "end"]
+        manifest.pause_s = round(self.phases.total(keep), 4)
+        _rewrite_manifest(self.store, manifest)
+        return manifest
+
+    def undo_capture(self) -> list[str]:
+        """Everything but NCCL undone: CRIU's hold released, CUDA restored and unlocked, the image (committed or
+        staged) removed. Returns what could not be undone."""
+        problems: list[str] = []
+        if self.held:
+            criu_calls.release(self.criu, self.target.init_pid, self.dump_rid, repair=True)  # TCP repair is on
+            self.held = False
+        if self.gpus.locked or self.gpus.checkpointed:
+            problems += self.gpus.rollback()
+        if self.committed and self.manifest is not None:
+            try:
+                self.store.remove(self.manifest.id)
+            except CryosleepError as e:
+                problems.append(f"{e.what}: {e.why}")
+            self.committed = False
+        if self.staging is not None:
+            self.store.abort(self.staging)
+            self.staging = None
+        return problems
+
+    def rollback(self, e: BaseException) -> CryosleepError:
+        """The one rollback path, whatever failed; returns the error to report. Order matters: the tasks must
+        run (CRIU released) and their CUDA work be back before the interceptors can rebuild communicators."""
         err = _as_failure(e, "the snapshot failed")
-        ended = [p for p in tree if proctree.state(p) in ("Z", "X", "gone")]
+        ended = [p for p in self.tree if proctree.state(p) in ("Z", "X", "gone")]
         if ended:  # the job was ending: what failed is a symptom of that, not the thing to report
             err = CaptureFailed(
-                f"processes of job {target.spec.name!r} exited while the snapshot ran",
+                f"processes of job {self.target.spec.name!r} exited while the snapshot ran",
                 f"its process(es) {', '.join(map(str, ended))} exited during the snapshot, which then failed "
                 f"({err.what}: {err.why})",
                 "an ending job cannot be captured; its last snapshot is still valid", **err.details)
-        if held:
-            criu_calls.release(criu, target.init_pid, dump_rid, repair=True)  # a held dump leaves TCP repair on
-        if gpus.locked or gpus.checkpointed:
-            undone = gpus.rollback()
-            if undone:
-                err.details["cuda_rollback_problems"] = undone
-        _undo_nccl(nccl, err)
-        if committed and staging is not None:
-            try:
-                store.remove(staging.id)
-            except CryosleepError:
-                pass
-        if staging is not None:
-            store.abort(staging)
-        err.details.setdefault("phases", phases.rounded())
+        undone = self.undo_capture()
+        if undone:
+            err.details["cuda_rollback_problems"] = undone
+        _undo_nccl(self.nccl, err)
+        err.details.setdefault("phases", self.phases.rounded())
+        return err
+
+    def close(self) -> None:
+        if self.nccl is not None:
+            self.nccl.close()
+
+
+def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.0,
+         progress: Progress | None = None, fault: str | None = None) -> Manifest:
+    cap = NodeCapture(target, store, stop=stop, deadline=time.monotonic() + timeout, progress=progress, fault=fault)
+    try:
+        cap.preflight()
+        cap.before_pause()
+        if cap.nccl is not None:
+            with cap.phases.phase("drain"):
+                cap.nccl.hold(cap.deadline)
+                cap.nccl.drain(cap.deadline)
+        cap.quiesce()
+        cap.dump()
+        if not stop:
+            cap.rebuild()
+        cap.commit()
+        if stop:
+            cap.verify(timeout)
+            cap.persist()
+            cap.end()
+        return cap.finish()
+    except BaseException as e:
+        err = cap.rollback(e)
         if err is e:
             raise
         raise err from e
     finally:
-        if nccl is not None:
-            nccl.close()
+        cap.close()
 
 
 DEVMEM_DIR = "devmem"
