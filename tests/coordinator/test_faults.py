@@ -100,7 +100,9 @@ def test_resume_fails_once_then_the_rollback_rebuilds(env: Env) -> None:
     assert env.client().job("sim")["state"] == "running"
 
 
-def test_a_node_that_cannot_be_rebuilt_leaves_the_job_damaged_and_says_so(env: Env) -> None:
+def test_a_node_that_cannot_be_rebuilt_ends_the_job_everywhere_and_says_so(env: Env) -> None:
+    """Past the cut, a rebuild that fails twice leaves no node able to go on: every node ends its workers
+    (never half-dead), the job is damaged, and the hint says to restore the last verified snapshot."""
     c = env.cluster(nnodes=2, nproc=2, seed=11, faults={1: SimFaults(fail={"relay": "id lost"})})
     s = env.client().snapshot("sim", timeout_s=20)
     assert s["state"] == "failed" and not s["valid"]
@@ -109,6 +111,7 @@ def test_a_node_that_cannot_be_rebuilt_leaves_the_job_damaged_and_says_so(env: E
     assert "restore its last verified snapshot" in s["error"]["hint"]
     assert env.client().job("sim")["state"] == "damaged"
     assert not c.all_running()
-    assert {n["state"] for n in env.client().snapshot_detail(s["id"])["nodes"]} == {"not-resumed"}
+    assert {n["state"] for n in env.client().snapshot_detail(s["id"])["nodes"]} == {"ended"}
+    assert all(rk.ended for rk in c.world.ranks)
     kinds = [e["kind"] for e in env.client().snapshot_detail(s["id"])["events"]]
-    assert "rollback-failed" in kinds
+    assert "rollback-failed" in kinds and "ended" in kinds

@@ -1,16 +1,20 @@
-"""Two simulated nodes x 2 ranks of gloo DDP on the job network, with real CRIU and real PyTorch.
+"""Two simulated nodes x 2 ranks of gloo DDP on the job network, with real CRIU, real PyTorch and a real
+coordinator.
 
 Each "host" is a network namespace of its own (held by a sleeping process), joined to the other by a veth
 pair as the network between the hosts (10.250.1.1 <-> 10.250.1.2). Each node's agent runs in its host's
 namespace (`nsenter --net`), so each host has its own bridge for the job and the two are linked by the
-job's VXLAN overlay. Both nodes are snapshot keep-running, then stop; each node's image is restored on the
-OTHER host, into fresh namespaces; the losses of all four ranks must equal an uninterrupted 4-rank torchrun
-bit for bit. Then the keep-running pair (taken with both nodes held off the job network, `cryosleep net
-hold`) is restored too, an older snapshot after the job ended, and must match again.
+job's VXLAN overlay. The coordinator runs on host A; both agents register with it (`run --coordinator`), and
+it snapshots the job on both nodes at once: keep-running (the job network held on both nodes from before the
+first dump to after the last), then stop. Each node's image of the stop snapshot is restored on the OTHER
+host, into fresh namespaces (`restore --node-rank`); the losses of all four ranks must equal an uninterrupted
+4-rank torchrun bit for bit. Then the keep-running snapshot is restored too, after the job ended, and must
+match again.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +28,7 @@ import pytest
 
 from cryosleep.net import Host, job_net
 from tests.conftest import require_criu
+from tests.jobs.coordinated import Coordinator
 from tests.jobs.harness import Harness, reference, workload
 
 pytestmark = pytest.mark.slow
@@ -50,15 +55,19 @@ class HostHarness(Harness):
                                  f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         return res
 
-    def run_node(self, name: str, rank: int, port: int) -> dict[str, Any]:
+    def run_node(self, name: str, rank: int, port: int, coordinator: str) -> dict[str, Any]:
         out: dict[str, Any] = self.cli_json(
             "run", "--detach", "--name", name, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
             "--master-port", str(port), "--run-id", f"{name}-run", "--net", "job", "--net-peers", self.peer,
-            str(workload("ddp_basic")), *ARGS)
+            "--coordinator", coordinator, str(workload("ddp_basic")), *ARGS)
         return out
 
-    def restore_here(self, sid: str) -> dict[str, Any]:
-        out: dict[str, Any] = self.cli_json("restore", "--detach", "--net-peers", self.peer, sid)
+    def coordinator(self, *args: str) -> Any:
+        return json.loads(self.cli("coordinator", *args, "--json").stdout)
+
+    def restore_here(self, sid: str, node: int) -> dict[str, Any]:
+        out: dict[str, Any] = self.cli_json("restore", "--detach", "--net-peers", self.peer, "--node-rank", str(node),
+                                            sid)
         return out
 
 
@@ -101,43 +110,56 @@ def assert_identical(h: Harness, ref: dict[int, list[str]]) -> None:
             next((i for i, (x, y) in enumerate(zip(got, ref[r], strict=False)) if x != y), min(len(got), len(ref[r]))))
 
 
-def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHarness, HostHarness]) -> None:
+def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHarness, HostHarness],
+                                                           tmp_path: Path) -> None:
     ha, hb = hosts
-    port = 29000 + os.getpid() % 1000
-    ha.run_node("mn", 0, port)
-    hb.run_node("mn", 1, port)
-    spec, _ = ha.job("mn.node0").read()
-    net = job_net("mn-run", 0, 2)
-    assert spec.net["address"] == net.address and spec.master_addr == net.address
-    ha.wait_step("mn.node0", 8)
+    coord = Coordinator(tmp_path, "0.0.0.0:0", prefix=("nsenter", f"--net=/proc/{ha.ns_pid}/ns/net", "--"))
+    url = f"http://{UNDERLAY[0]}:{coord.url.rsplit(':', 1)[1]}"  # host A's address, reached from both hosts
+    for h in hosts:
+        h.env = coord.env({**h.env, "CRYOSLEEP_COORDINATOR": url})
+    try:
+        port = 29000 + os.getpid() % 1000
+        ha.run_node("mn", 0, port, url)
+        hb.run_node("mn", 1, port, url)
+        spec, _ = ha.job("mn.node0").read()
+        net = job_net("mn-run", 0, 2)
+        assert spec.net["address"] == net.address and spec.master_addr == net.address
+        assert spec.coordinator == url and "CRYOSLEEP_COORDINATOR_TOKEN" not in spec.env
+        ha.wait_step("mn.node0", 8)
+        nodes = ha.coordinator("job", "mn")["nodes"]
+        assert sorted((n["node_rank"], n["address"]) for n in nodes) == [(0, net.address),
+                                                                         (1, job_net("mn-run", 1, 2).address)]
 
-    # keep-running: the nodes are dumped one after the other, so they are held off the job network from
-    # before the first dump to after the last (docs/network.md); TCP retransmits what was dropped meanwhile
-    for i, h in enumerate(hosts):
-        held = h.cli_json("net", "hold", f"mn.node{i}")
-        assert held["held"] and held["interfaces"]
-    keep = [h.snapshot(f"mn.node{i}") for i, h in enumerate(hosts)]
-    for i, h in enumerate(hosts):
-        h.cli_json("net", "release", f"mn.node{i}")
-    assert all(s["mode"] == "keep-running" for s in keep)
-    assert ha.state("mn.node0") == ha.state("mn.node1") == "running"
-    ha.wait_step("mn.node0", 20)
-    stop = [h.snapshot(f"mn.node{i}", "--stop") for i, h in enumerate(hosts)]
-    assert ha.wait_end("mn.node0", 120) == 75 and ha.wait_end("mn.node1", 120) == 75
-    manifest = ha.cli_json("show", stop[0]["snapshot"])
-    assert manifest["job"]["net"]["address"] == net.address and manifest["job"]["net"]["bridge"] == net.bridge
-    # both hosts' parts of the job network went with their sandboxes
-    assert not {net.bridge, net.vxlan} & {x["ifname"] for x in Host(ha.ns_pid).links()}
+        # keep-running, asked of node 1 as a one-node job would be: the coordinator snapshots both nodes
+        keep = hb.snapshot("mn.node1")
+        assert keep["coordinated"] and keep["mode"] == "keep-running"
+        row = ha.coordinator("show", keep["snapshot"])
+        assert row["state"] == "verified" and [n["state"] for n in row["nodes"]] == ["verified", "verified"]
+        assert "net_hold" not in row["phases"] and row["phases"]["capture"] > 0
+        assert ha.state("mn.node0") == ha.state("mn.node1") == "running"
+        ha.wait_step("mn.node0", 20)
+        stop = ha.coordinator("snapshot", "mn", "--stop")
+        assert stop["state"] == "verified", stop.get("error")
+        assert ha.wait_end("mn.node0", 120) == 75 and ha.wait_end("mn.node1", 120) == 75
+        assert ha.coordinator("job", "mn")["state"] == "suspended"
+        image0 = stop["nodes"][0]["image"]["ref"]
+        manifest = ha.cli_json("show", image0)
+        assert manifest["job"]["net"]["address"] == net.address and manifest["job"]["net"]["bridge"] == net.bridge
+        # both hosts' parts of the job network went with their sandboxes
+        assert not {net.bridge, net.vxlan} & {x["ifname"] for x in Host(ha.ns_pid).links()}
 
-    # node 0's image on host B, node 1's on host A
-    hb.restore_here(stop[0]["snapshot"])
-    ha.restore_here(stop[1]["snapshot"])
-    assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
-    ref = reference(workload("ddp_basic"), ARGS, nproc=4)
-    assert_identical(ha, ref)
+        # node 0's image on host B, node 1's on host A; the restored agents register with the coordinator again
+        hb.restore_here(stop["id"], 0)
+        ha.restore_here(stop["id"], 1)
+        assert ha.coordinator("job", "mn")["state"] in ("running", "lost", "incomplete")
+        assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
+        ref = reference(workload("ddp_basic"), ARGS, nproc=4)
+        assert_identical(ha, ref)
 
-    # the older, keep-running pair, restored after the job ended (back on their own hosts this time)
-    ha.restore_here(keep[0]["snapshot"])
-    hb.restore_here(keep[1]["snapshot"])
-    assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
-    assert_identical(ha, ref)
+        # the older, keep-running snapshot, restored after the job ended (back on their own hosts this time)
+        ha.restore_here(keep["snapshot"], 0)
+        hb.restore_here(keep["snapshot"], 1)
+        assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
+        assert_identical(ha, ref)
+    finally:
+        coord.stop()

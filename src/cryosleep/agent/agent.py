@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cryosleep import metrics, paths
-from cryosleep.agent import proctree
+from cryosleep.agent import coordinated, proctree
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
+from cryosleep.agent.watchdog import Watchdog
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
-from cryosleep.errors import Busy, CryosleepError, NotFound, UsageError
+from cryosleep.coordinator.client import AgentRunner, CoordinatorClient
+from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
@@ -175,10 +177,39 @@ class Agent:
         self.triggers: TriggerRunner | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
         self.net_end: str | None = None  # the sandbox's veth host end on the job network (--net job)
         self.devmem_dirs: set[Path] = set()  # a restored job's fast-path staging directories
+        # (multi-node jobs) the coordinator's URL and token: it runs every snapshot of the job, on all nodes
+        self.coordinator: tuple[str, str] | None = None
+        self.runner: AgentRunner | None = None
+        self.watchdog: Watchdog | None = None
+        self.ended_by: str | None = None  # why the coordinator ended the job, if it did
+
+    def end_job(self, detail: str) -> None:
+        """Ends the job's workers now (the coordinator's ``end``); the job is recorded failed with ``detail``."""
+        self.ended_by = detail
+        self.log_line(detail)
+        try:
+            os.kill(self.state.init_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def arm(self, reason: str | None) -> None:
+        """The watchdog armed (the job dies with this agent) or disarmed (agent/watchdog.py)."""
+        if self.watchdog is not None:
+            if reason is None:
+                self.watchdog.disarm()
+            else:
+                self.watchdog.arm(reason)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def job_alive(self) -> bool:
+        return proctree.alive(self.state.init_pid)
 
     # -- starting ---------------------------------------------------------------------------------
 
-    def _save(self) -> None:
+    def save_state(self) -> None:
         with self.state_lock:
             self.job.write(self.spec, self.state)
 
@@ -209,7 +240,7 @@ class Agent:
         env = worker_env(self.spec, self.job.ctl, devmem)
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
-        self._save()
+        self.save_state()
         cmd = [str(init), "--spawn", "--mount-ns", "-n", str(self.spec.nproc_per_node), "-b", str(self.spec.ranks[0]),
                "-l", str(self.job.logs), "--", *self.spec.program]
         go_r, go_w = os.pipe() if self.spec.net else (-1, -1)  # the job network: init waits until it is set up
@@ -233,7 +264,7 @@ class Agent:
                 if fd >= 0:
                     os.close(fd)
         self.state.state = "running"
-        self._save()
+        self.save_state()
         self.tail = LogTail(self.job, self.spec.ranks, self.out)
 
     def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
@@ -254,7 +285,7 @@ class Agent:
         self.runtime = {k: v for k, v in restored.manifest.host.items() if k in ("python", "torch")}
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
                               restored_from=restored.manifest.id)
-        self._save()
+        self.save_state()
         self.tail = LogTail(self.job, self.spec.ranks, self.out, from_end=True)
         self.restore_phases = restored.phases.rounded()
         return restored
@@ -278,7 +309,10 @@ class Agent:
         if self.triggers is not None:
             signal.signal(signal.SIGUSR1, self._on_signal)
             self.triggers.start()
+        self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log))
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+        if self.coordinator is not None:
+            self.runner = coordinated.connect(self, *self.coordinator)
         init = self.state.init_pid
         status = 0
         try:
@@ -306,8 +340,12 @@ class Agent:
         code = 128 - code if code < 0 else code
         for t in list(self._handlers):  # a stop snapshot finishing its bookkeeping and its answer
             t.join(timeout=120)
+        if self.runner is not None:  # the answer to the coordinator's stop, delivered before the agent goes
+            self.runner.flush(30)
+            self.runner.halt()
+        self.watchdog.close()
         if self.persister is not None and self.persister.pending():  # uploads of earlier snapshots finish
-            self._log(f"waiting for {self.persister.pending()} snapshot upload(s) to {self.persister.url}")
+            self.log_line(f"waiting for {self.persister.pending()} snapshot upload(s) to {self.persister.url}")
             self.persister.close()
         st = self.state
         st.ended_at = time.time()
@@ -318,8 +356,8 @@ class Agent:
         else:
             st.state = "exited" if code == 0 else "failed"
             st.exit_code = code
-            st.detail = self._failure_detail() if code else ""
-        self._save()
+            st.detail = self.ended_by or (self._failure_detail() if code else "")
+        self.save_state()
         return code
 
     def _failure_detail(self) -> str:
@@ -332,7 +370,7 @@ class Agent:
                     parts.append(f"rank {r}: {what}")
         return "; ".join(parts)
 
-    def _log(self, msg: str) -> None:
+    def log_line(self, msg: str) -> None:
         """A line in the agent's own log (a detached agent's stderr is its job's agent.log)."""
         sys.stderr.write(f"cryosleep agent: {time.strftime('%H:%M:%S')} {msg}\n")
         sys.stderr.flush()
@@ -394,7 +432,30 @@ class Agent:
         else:
             metrics.record_failure(job, "persist_failed")
 
+    def capture_target(self, stop: bool, send: Any, *, persist: bool = True,
+                       store: LocalStore | None = None) -> capture_snapshot.Target:
+        """The running sandbox as a snapshot sees it (shared by local and coordinated snapshots)."""
+
+        def end(sid: str) -> None:
+            self.suspended_in = sid
+            os.kill(self.state.init_pid, signal.SIGKILL)
+
+        ctl = {r: self.job.ctl_path(r) for r in self.spec.ranks} if self.spec.interceptor else {}
+        target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
+                                         restored_from=self.state.restored_from, end=end, ctl=ctl,
+                                         log=self.log_line if self.out is None else None, arm=self.arm)
+        if self.persister is None and persist:
+            self.persister = store_persist.for_job(self.spec.name, self.spec.persist,
+                                                   self.log_line if self.out is None else None)
+            if self.persister is not None:
+                self.persister.on_done = self._persisted
+        if stop and store is not None:
+            target.persist = store_persist.stop_hook(self.persister, store, send)
+        return target
+
     def snapshot(self, req: dict[str, Any], send: Any) -> dict[str, Any]:
+        if self.coordinator is not None and not req.get("rehearse"):
+            return self._coordinated_snapshot(req, send)
         if not self.snap_lock.acquire(blocking=False):
             raise Busy(
                 f"a snapshot of job {self.spec.name!r} is already in progress",
@@ -409,25 +470,12 @@ class Agent:
             rehearse = bool(req.get("rehearse", False))
             store = LocalStore(Path(req.get("store") or paths.default_store()))
             self.state.snapshot_in_progress = "rehearsal" if rehearse else "stop" if stop else "keep-running"
-            self._save()
+            self.save_state()
 
             def progress(phase: str, status: str, seconds: float | None) -> None:
                 send({"event": "phase", "phase": phase, "status": status, "seconds": seconds})
 
-            def end(sid: str) -> None:
-                self.suspended_in = sid
-                os.kill(self.state.init_pid, signal.SIGKILL)
-
-            ctl = {r: self.job.ctl_path(r) for r in self.spec.ranks} if self.spec.interceptor else {}
-            target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
-                                             restored_from=self.state.restored_from, end=end, ctl=ctl,
-                                             log=self._log if self.out is None else None)
-            if self.persister is None and not rehearse:
-                self.persister = store_persist.for_job(self.spec.name, self.spec.persist,
-                                                       self._log if self.out is None else None)
-                if self.persister is not None:
-                    self.persister.on_done = self._persisted
-            target.persist = store_persist.stop_hook(self.persister, store, send) if stop else None
+            target = self.capture_target(stop, send, persist=not rehearse, store=store)
             if rehearse:
                 return capture_snapshot.rehearse(target, timeout=float(req.get("timeout") or 600.0),
                                                  progress=progress)
@@ -450,5 +498,29 @@ class Agent:
             }
         finally:
             self.state.snapshot_in_progress = None
-            self._save()
+            self.save_state()
             self.snap_lock.release()
+
+    def _coordinated_snapshot(self, req: dict[str, Any], send: Any) -> dict[str, Any]:
+        """A snapshot asked of one node of a coordinated job (its CLI, a signal, a preemption notice, a periodic
+        policy) is a snapshot of the whole job: the coordinator runs it on every node, this one included."""
+        stop = bool(req.get("stop", False))
+        assert self.coordinator is not None
+        job = coordinated.job_name(self.spec.name, self.spec.nnodes, self.spec.node_rank)
+        send({"event": "phase", "phase": "coordinator", "status": "start", "seconds": None})
+        client = CoordinatorClient(*self.coordinator)
+        try:
+            row = client.snapshot(job, stop=stop, timeout_s=float(req.get("timeout") or 600.0))
+        finally:
+            client.close()
+        if row.get("state") != "verified":
+            err = row.get("error") or {}
+            raise CaptureFailed(str(err.get("what") or f"the coordinated snapshot of job {job!r} failed"),
+                                str(err.get("why") or row.get("reason") or row.get("state")),
+                                str(err.get("hint") or f"see `cryosleep coordinator show {row.get('id')}`"),
+                                snapshot=row.get("id"))
+        image = next((n.get("image") or {} for n in row.get("nodes") or () if n.get("node_rank") ==
+                      self.spec.node_rank), {})
+        return {"snapshot": row["id"], "job": job, "mode": row.get("mode"), "coordinated": True,
+                "node_image": image.get("ref"), "pause_s": image.get("pause_s"), "bytes": image.get("bytes"),
+                "phases": row.get("phases") or {}, "store": image.get("store"), "persist": None}

@@ -75,6 +75,9 @@ class JobSpec:
     # cryosleep.capture.outbound.Policy as JSON: {"reset", "keep", "drain_s"}); empty: the default, every
     # peer outside the job drained before a dump and reset in a restored copy (docs/network.md).
     outbound: dict[str, Any] = field(default_factory=dict)
+    # The coordinator that runs this job's snapshots on all its nodes (`cryosleep run --coordinator URL`;
+    # docs/coordinator.md); empty: the agent snapshots its node on its own. Its token is never recorded.
+    coordinator: str = ""
 
     @property
     def world_size(self) -> int:

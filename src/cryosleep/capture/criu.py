@@ -74,17 +74,26 @@ def run_id(log: Path) -> str | None:
     return None
 
 
-def unlock_network(criu: Criu, rid: str | None) -> None:
-    """Delete the nftables table a dump left behind (after a killed or a leave-stopped dump)."""
+def unlock_network(criu: Criu, rid: str | None, root_pid: int | None = None) -> None:
+    """Delete the nftables table a dump left behind (after a killed or a leave-stopped dump). CRIU locks the
+    network of the namespace the tree lives in: a sandbox on the job network (its own namespace) is unlocked
+    there, through ``root_pid``."""
     if not rid or not criu.nft_argv:
         return
-    out = subprocess.run([*criu.nft_argv, "list", "tables"], capture_output=True, text=True, check=False)
+    prefix: list[str] = []
+    if root_pid is not None:
+        try:
+            if os.readlink(f"/proc/{root_pid}/ns/net") != os.readlink("/proc/self/ns/net"):
+                prefix = ["nsenter", f"--net=/proc/{root_pid}/ns/net", "--"]
+        except OSError:
+            return  # the tree is gone, and its namespace with its lock
+    out = subprocess.run([*prefix, *criu.nft_argv, "list", "tables"], capture_output=True, text=True, check=False)
     for line in out.stdout.splitlines():
         parts = line.split()
         ours = len(parts) == 3 and parts[0] == "table" and parts[2].startswith("CRIU-")
         if ours and rid.startswith(parts[2][len("CRIU-"):]):  # CRIU cuts its run id to fit a table name
-            subprocess.run([*criu.nft_argv, "delete", "table", parts[1], parts[2]],
-                               capture_output=True, check=False)
+            subprocess.run([*prefix, *criu.nft_argv, "delete", "table", parts[1], parts[2]],
+                           capture_output=True, check=False)
 
 
 def action_script(name: str, text: str) -> str:
@@ -275,7 +284,7 @@ def repair_off(root_pid: int) -> int:
 
 def release(criu: Criu, root_pid: int, rid: str | None, repair: bool = False) -> None:
     """Undo what a failed or held dump leaves: the network lock, TCP repair mode, stopped tasks."""
-    unlock_network(criu, rid)
+    unlock_network(criu, rid, root_pid)
     if repair:
         repair_off(root_pid)
     for pid in proctree.tree(root_pid):

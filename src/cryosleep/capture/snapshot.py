@@ -85,6 +85,9 @@ class Target:
     cuda_lock_timeout: float = 10.0
     ctl: dict[int, Path] = field(default_factory=dict)  # job rank -> its NCCL control file (JobDir.ctl_path)
     log: Callable[[str], None] | None = None  # the agent's log, for what the drain does round by round
+    # Arms (a reason) or disarms (None) the agent's watchdog: from the cut until the job runs again, a job
+    # whose agent dies is killed rather than left half-captured (agent/watchdog.py)
+    arm: Callable[[str | None], None] | None = None
 
 
 def host_facts(criu: criu_install.Criu, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +208,10 @@ class NodeCapture:
                 self.fast = [r for r in nccl.fast_ranks() if r not in self.fast_skipped]
 
     def quiesce(self) -> None:
-        """(at the cut) every rank destroys its real communicators; the fast path moves device memory out."""
+        """(at the cut) every rank destroys its real communicators; the fast path moves device memory out.
+        From here until the job runs again, only this agent can bring it back: its watchdog is armed."""
+        if self.target.arm is not None:
+            self.target.arm(f"a {'stop' if self.stop else 'keep-running'} snapshot")
         nccl = self.nccl
         if nccl is None:
             return
@@ -367,6 +373,9 @@ class NodeCapture:
         return err
 
     def close(self) -> None:
+        """The snapshot is over here (the job runs, or was ended): the watchdog disarmed, the blocks closed."""
+        if self.target.arm is not None:
+            self.target.arm(None)
         if self.nccl is not None:
             self.nccl.close()
 

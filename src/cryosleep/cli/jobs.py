@@ -12,13 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cryosleep import paths
 from cryosleep.agent.agent import Agent
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.capture import outbound
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
 from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
-from cryosleep.errors import CryosleepError, UsageError, from_json
+from cryosleep.coordinator import client as coord_client
+from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
 from cryosleep.triggers.runner import TriggerRunner
 
@@ -70,6 +72,8 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    f"(default {outbound.DEFAULT_DRAIN_S:g} s; the job runs meanwhile)")
     add_persist_options(p)
     add_trigger_args(p)
+    add_coordinator_args(p, f"a multi-node job's coordinator (default ${coord_client.ENV_URL} when --nnodes > 1): "
+                         "it runs every snapshot of the job on all its nodes at once (docs/coordinator.md)")
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -87,6 +91,11 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="a job network spanning hosts: the other hosts' addresses (VXLAN overlay peers)")
     r.add_argument("--gpu-map", help="GPU i of the snapshot goes to GPU MAP[i] here, e.g. 1,0 swaps two GPUs "
                    "(default: by position)")
+    r.add_argument("--node-rank", type=int, default=None, metavar="I",
+                   help="SNAPSHOT is a coordinator's snapshot of a multi-node job: restore its node I here (run "
+                   "this on one host per node; the restored agents register with the coordinator again)")
+    add_coordinator_args(r, "with --node-rank: the coordinator that took the snapshot "
+                         f"(default ${coord_client.ENV_URL})")
     r.add_argument("--detach", action="store_true")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_restore)
@@ -94,6 +103,22 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     j = sub.add_parser("jobs", help="list the jobs on this node")
     j.add_argument("--json", action="store_true")
     j.set_defaults(func=cmd_jobs)
+
+
+def add_coordinator_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--coordinator", default=None, metavar="URL", help=what)
+    p.add_argument("--token-file", type=Path, default=None, metavar="F",
+                   help=f"the coordinator's token (default ${coord_client.ENV_TOKEN_FILE}, else "
+                   f"${coord_client.ENV_TOKEN})")
+
+
+def coordinator_of(a: argparse.Namespace, nnodes: int) -> tuple[str, str] | None:
+    """The coordinator a job's agent registers with: --coordinator, else the environment's for multi-node jobs."""
+    if a.coordinator is None and (nnodes < 2 or not os.environ.get(coord_client.ENV_URL)):
+        return None
+    url, token = coord_client.resolve(a.coordinator, a.token_file)
+    coord_client.Http(url, token)  # the URL's form, checked before anything starts
+    return url, token
 
 
 def build_spec(a: argparse.Namespace) -> JobSpec:
@@ -218,11 +243,15 @@ def cmd_run(a: argparse.Namespace) -> int:
     spec = build_spec(a)
     spec.persist = remote_config(spec.name, a.store, a.key_file, a.local_keep)
     spec.env.pop("CRYOSLEEP_KEY", None)  # the agent reads it from its own environment; workers and manifests never
+    spec.env.pop(coord_client.ENV_TOKEN, None)  # nor the coordinator's token
+    coordinator = coordinator_of(a, spec.nnodes)
+    spec.coordinator = coordinator[0] if coordinator else ""
     job = JobDir(spec.name)
     triggers = trigger_config(a)
 
     def start(out: Any) -> Agent:
         agent = Agent(job, spec, out=out)
+        agent.coordinator = coordinator
         agent.net_peers = _peers(a.net_peers)
         agent.triggers = TriggerRunner(agent, triggers)  # binds the metrics port: fails before the job starts
         agent.launch()
@@ -237,9 +266,41 @@ def cmd_run(a: argparse.Namespace) -> int:
     return _finish(agent, agent.serve(), a.json)
 
 
+def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str, str]]:
+    """``restore SNAPSHOT --node-rank I``: node I's image of a coordinator's snapshot (its reference, and where it
+    is: the remote store it persisted to, else the local store it was committed to), and the coordinator."""
+    url, token = coord_client.resolve(a.coordinator, a.token_file)
+    client = coord_client.CoordinatorClient(url, token)
+    try:
+        row = client.snapshot_detail(a.snapshot)
+    finally:
+        client.close()
+    if row.get("state") != "verified":
+        raise NotEligible(f"snapshot {a.snapshot} cannot be restored", f"it is {row.get('state')}, not verified"
+                          + (f" ({row['reason']})" if row.get("reason") else ""),
+                          f"list the valid ones: `cryosleep coordinator snapshots {row.get('job', '')} --valid`")
+    node = next((n for n in row.get("nodes") or () if n.get("node_rank") == a.node_rank), None)
+    if node is None or not node.get("image"):
+        ranks = sorted(n.get("node_rank") for n in row.get("nodes") or ())
+        raise UsageError(f"snapshot {a.snapshot} has no node {a.node_rank}", f"its nodes: {ranks}",
+                         "give --node-rank one of them")
+    image = node["image"]
+    where: str | Path | None = a.store
+    if where is None:
+        local = Path(str(image.get("store") or paths.default_store()))
+        where = image.get("remote") if image.get("remote") and not (local / str(image["ref"])).is_dir() else local
+    return str(image["ref"]), where, (url, token)
+
+
 def cmd_restore(a: argparse.Namespace) -> int:
     require_root("restoring a snapshot")
-    store, manifest, fetched = fetch_for_restore(a.snapshot, a.store, a.key_file, as_json=a.json, quiet=a.detach)
+    ref, where, coordinator = a.snapshot, a.store, None
+    if a.node_rank is not None:
+        ref, where, coordinator = node_image(a)
+    elif a.coordinator is not None:
+        raise UsageError("--coordinator without --node-rank", "which node of the job's snapshot to restore here?",
+                         "add --node-rank I")
+    store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach)
     try:
         gpu_map = [int(x) for x in a.gpu_map.split(",")] if a.gpu_map else None
     except ValueError:
@@ -252,11 +313,18 @@ def cmd_restore(a: argparse.Namespace) -> int:
     def start(out: Any) -> Agent:
         agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
         agent.net_peers = _peers(a.net_peers)
+        if coordinator is None and agent.spec.coordinator:  # a coordinated job restored from a node's own image
+            agent.coordinator = coordinator_of(argparse.Namespace(coordinator=agent.spec.coordinator,
+                                                                  token_file=a.token_file), agent.spec.nnodes)
+        else:
+            agent.coordinator = coordinator
         agent.triggers = TriggerRunner(agent, triggers)
         agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map)
         if fetched is not None:  # the restored job goes on persisting where it came from
             agent.spec.persist = remote_config(agent.spec.name, fetched["store"], a.key_file, a.local_keep)
-            agent.job.write(agent.spec, agent.state)
+        if agent.coordinator is not None:
+            agent.spec.coordinator = agent.coordinator[0]
+        agent.job.write(agent.spec, agent.state)
         return agent
 
     def describe(agent: Agent) -> dict[str, Any]:

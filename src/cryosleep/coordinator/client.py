@@ -196,6 +196,7 @@ class NodeBackend(Protocol):
     def persist(self, cmd: Command) -> dict[str, Any]: ...
     def stop(self, cmd: Command) -> dict[str, Any]: ...
     def abort(self, cmd: Command) -> dict[str, Any]: ...
+    def end(self, cmd: Command) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -240,6 +241,8 @@ class AgentRunner:
         self._halt = threading.Event()
         self.thread: threading.Thread | None = None
         self.received: list[Command] = []  # every delivery, repeats included (tests look at it)
+        self.carried = 0  # results waiting to ride on the next poll
+        self.posting = 0  # results being posted
 
     def start(self) -> AgentRunner:
         self.thread = threading.Thread(target=self.loop, name=f"agent-{self.reg.job}@{self.reg.node_rank}",
@@ -252,6 +255,18 @@ class AgentRunner:
         self._halt.set()
         self.poll_http.abort()
         self.post_http.abort()
+
+    def flush(self, timeout: float) -> bool:
+        """Waits (bounded) until every command started has finished and its result was delivered: before the
+        agent exits after a stop. Returns False when something was still outstanding."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self.lock:
+                if not self.running and not self.claimed and not self.claimable and not self.carried \
+                        and not self.posting:
+                    return True
+            time.sleep(0.02)
+        return False
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread is not None:
@@ -276,15 +291,18 @@ class AgentRunner:
                 res = self.poll_http.call("POST", f"/v1/agents/{quote(self.agent_id, safe='')}/poll", body,
                                           timeout=self.wait_s + 30)
                 carry = []
+                self.carried = 0
                 backoff = 0.05
                 started = [self.dispatch(Command.from_json(c)) for c in res.get("commands") or ()]
                 carry = self._collect([c for c in started if c is not None])
+                self.carried = len(carry)
             except CryosleepError as e:
                 if self._halt.is_set():
                     return
                 if e.details.get("reregister"):
                     self.agent_id = None  # the coordinator restarted: register again, same incarnation
                     carry = []  # their commands are delivered again, and answered from ``done``
+                    self.carried = 0
                     continue
                 self.log(f"coordinator: {e.what} ({e.why}); retrying in {backoff:.2f} s")
                 self._halt.wait(backoff)
@@ -343,6 +361,15 @@ class AgentRunner:
         self.post(res)
 
     def post(self, res: Result) -> None:
+        with self.lock:
+            self.posting += 1
+        try:
+            self._post(res)
+        finally:
+            with self.lock:
+                self.posting -= 1
+
+    def _post(self, res: Result) -> None:
         for delay in (0.05, 0.2, 1.0, 2.0, 0):
             if self._halt.is_set() or self.agent_id is None:
                 return  # the next delivery of the command is answered from ``done``

@@ -55,7 +55,7 @@ HOLD_GRACE_S = 5.0  # the interceptors release a HOLD this long after the snapsh
 PHASE_OF = {Op.PREPARE: "prepare", Op.HOLD: "drain", Op.REPORT: "drain", Op.TARGETS: "drain",
             Op.QUIESCE: "quiesce", Op.NET_HOLD: "capture", Op.CAPTURE: "capture", Op.NET_RELEASE: "capture",
             Op.RESUME: "resume", Op.RELAY: "resume", Op.RUN: "resume", Op.PERSIST: "persist", Op.STOP: "stop",
-            Op.ABORT: "rollback"}
+            Op.ABORT: "rollback", Op.END: "rollback"}
 
 
 @dataclass
@@ -373,12 +373,26 @@ class SnapshotRun:
                         again = self.gather(Op.ABORT, {"at_cut": True, "gen": self.next_gen()}, deadline,
                                             tolerant=True)
                         problems += [f"node {f.node}: {f.why}" for f in again.failed]
+        ended = False
+        if problems and at_cut:
+            # past the cut, a node that cannot be brought back leaves the others unable to go on (their peers
+            # are gone, or quiesced for good): every node still answering ends its workers, so that no part of
+            # the job is left half-dead; a lost agent's own watchdog has ended its node (agent/watchdog.py)
+            reason = f"snapshot {self.sid} could not be rolled back on every node"
+            out = self.gather(Op.END, {"reason": reason}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
+            ended = True
+            for n in out.ok:
+                states[n] = "ended"
+            problems += [f"node {f.node}: {f.why}" for f in out.failed]
         if problems:
             err.details["rollback_problems"] = problems
-            err.hint = ("some nodes could not be resumed: end the job and restore its last verified snapshot "
-                        "(`cryosleep coordinator snapshots JOB`)")
+            err.hint = ("some nodes could not be resumed" + (", so the job was ended on every node" if ended else "")
+                        + ": restore its last verified snapshot (`cryosleep coordinator snapshots JOB --valid`)")
             for p in problems:
                 self.catalog.event("rollback-failed", p, job=self.job, snapshot=self.sid)
+            if ended:
+                self.catalog.event("ended", "the job was ended on every node still answering", job=self.job,
+                                   snapshot=self.sid)
         self._save_nodes()
         for n, st in states.items():
             self.catalog.update_node(self.sid, n, state=st)

@@ -44,6 +44,8 @@ run         gen                                               (the gates are ope
 persist     mode                                              image (reference, bytes, sha256), phases
 stop        -                                                 (the workers ended; the job lives in the snapshot)
 abort       at_cut, gen                                       state: "running" or "quiesced"
+end         reason                                            (the workers ended: a rollback past the cut could not
+                                                              bring every node back, so none is left half-dead)
 ==========  ================================================  ====================================================
 
 ``gen``: the first NCCL command generation the agent may write for this command; it may use ``gen`` up to
@@ -82,6 +84,7 @@ class Op(enum.StrEnum):
     PERSIST = "persist"
     STOP = "stop"
     ABORT = "abort"
+    END = "end"
 
 
 class Mode(enum.StrEnum):

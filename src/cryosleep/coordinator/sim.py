@@ -421,6 +421,18 @@ class SimNode:
         return {"state": "running"}
 
 
+    def end(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._endop, cmd)
+
+    def _endop(self, cmd: Command) -> dict[str, Any]:
+        self._enter(cmd)
+        self.frozen = False
+        self.net_held = False
+        for rk in self.ranks:
+            rk.ended = True
+        return {}
+
+
 class SimCluster:
     """A job's simulated nodes, each with its own agent runner against the coordinator at ``url``."""
 

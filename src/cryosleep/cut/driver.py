@@ -25,6 +25,8 @@ from cryosleep.agent.interceptor import (
     Cmd,
     ControlBlock,
     InterceptorError,
+    Rebuild,
+    SlotState,
     State,
     flag_reasons,
 )
@@ -233,7 +235,7 @@ class Driver:
         gen = self.command(Cmd.HOLD)
         self.wait(State.HOLDING, gen, min(deadline, time.monotonic() + ANSWER_TIMEOUT_S))
 
-    def _join_late_ranks(self, deadline: float) -> None:
+    def join_late_ranks(self, deadline: float) -> None:
         """Ranks that published their block after the HOLD (their first NCCL call) join it."""
         if self.discover is None:
             return
@@ -266,6 +268,13 @@ class Driver:
             time.sleep(nap)
             nap = min(nap * 2, 0.005)
 
+    def apply_targets(self, targets: Targets, deadline: float) -> list[RankView]:
+        """One round of a drain decided elsewhere (the coordinator, over every node's ranks): the targets
+        written, the ranks' answers awaited (until ``deadline``), their fresh views returned."""
+        self.floor = dict(targets)
+        self._wait_answers(self.write_targets(targets, self.views()), deadline)
+        return self.views()
+
     def drain(self, deadline: float, now: Callable[[], float] = time.monotonic) -> Decision:
         """Rounds of decide/write/wait until every rank is settled at a consistent cut.
 
@@ -273,7 +282,7 @@ class Driver:
         or the cut cannot be rebuilt; the ranks are still held then, and ``rollback()`` releases them."""
         nap = 0.0005
         while True:
-            self._join_late_ranks(deadline)
+            self.join_late_ranks(deadline)
             views = self.views()
             d = decide(now(), deadline, views, self.floor)
             self.last = d
@@ -317,24 +326,40 @@ class Driver:
         """REBUILD(g) on every rank, relaying fresh unique ids, until every rank answers RUNNING(g). The
         application's threads stay held until ``run()``."""
         gen = self.command(Cmd.REBUILD)
-        deadline = time.monotonic() + timeout
+        self.rebuild_wait(gen, time.monotonic() + timeout)
+
+    def _relay(self, gen: int, uids: Mapping[int, bytes]) -> list[int]:
+        """One pass of the id relay for REBUILD(gen): each communicator's fresh id copied from its rank-0
+        member's slot (or, for a member elsewhere, from ``uids``: ident -> id) into the other members' slots.
+        Returns the communicators whose id is not known yet. Raises if a rank answered ERROR."""
+        slots = [(r, b.comms()) for r, b in self.blocks.items()]
+        relays, pending = relay_plan(slots, gen)
+        for relay in relays:
+            src_rank, src_index = relay.source
+            uid_gen, uid = self.blocks[src_rank].uid(src_index)
+            if uid_gen != gen:
+                continue
+            for dst_rank, dst_index in relay.dest:
+                self.blocks[dst_rank].put_uid(dst_index, uid, gen)
+        if uids:
+            for r, ss in slots:
+                for s in ss:
+                    if s.rank != 0 and s.ident in uids and s.uid_gen != gen and s.rebuild == Rebuild.FROM_ID:
+                        self.blocks[r].put_uid(s.index, uids[s.ident], gen)
+            pending = [i for i in pending if i not in uids]
+        failed = [f"rank {r}: {b.error}" for r, b in self.blocks.items() if b.state() == (State.ERROR, gen)]
+        if failed:
+            raise InterceptorError("the NCCL communicators could not be rebuilt", "; ".join(failed),
+                                   "see the workers' logs (lines 'cryosleep-nccl[PID]')")
+        return pending
+
+    def rebuild_wait(self, gen: int, deadline: float, uids: Mapping[int, bytes] | None = None) -> None:
+        """Relays ids until every rank answers RUNNING(gen) (``uids``: ids of communicators whose rank-0
+        member runs on another node, relayed by the coordinator)."""
         nap = 0.0002
         while True:
-            slots = [(r, b.comms()) for r, b in self.blocks.items()]
-            relays, pending = relay_plan(slots, gen)
-            for relay in relays:
-                src_rank, src_index = relay.source
-                uid_gen, uid = self.blocks[src_rank].uid(src_index)
-                if uid_gen != gen:
-                    continue
-                for dst_rank, dst_index in relay.dest:
-                    self.blocks[dst_rank].put_uid(dst_index, uid, gen)
+            pending = self._relay(gen, uids or {})
             states = {r: b.state() for r, b in self.blocks.items()}
-            failed = [f"rank {r}: {self.blocks[r].error}" for r, (st, g) in states.items()
-                      if st == State.ERROR and g == gen]
-            if failed:
-                raise InterceptorError("the NCCL communicators could not be rebuilt", "; ".join(failed),
-                                       "see the workers' logs (lines 'cryosleep-nccl[PID]')")
             if all(s == (State.RUNNING, gen) for s in states.values()):
                 return
             if time.monotonic() > deadline:
@@ -342,10 +367,39 @@ class Driver:
                 why = "still " + ", ".join(late)
                 if pending:
                     why += "; no fresh id yet from the rank-0 member of " + ", ".join(f"{i:016x}" for i in pending)
-                raise InterceptorError(f"the NCCL communicators were not rebuilt within {timeout:g} s", why,
+                raise InterceptorError("the NCCL communicators were not rebuilt in time", why,
                                        "see the workers' logs (lines 'cryosleep-nccl[PID]')")
             time.sleep(nap)
             nap = min(nap * 2, 0.005)
+
+    def published(self, gen: int, deadline: float) -> tuple[dict[int, bytes], list[int]]:
+        """After REBUILD(gen) on a node of a multi-node job: waits until the rank-0 member of every communicator
+        that has one here published its fresh id (relaying it to the members here meanwhile); returns those
+        ids (ident -> id) and the communicators whose rank-0 member runs elsewhere (their ids must be relayed)."""
+        roots = {s.ident for b in self.blocks.values() for s in b.comms()
+                 if s.rank == 0 and s.state == SlotState.LIVE and s.rebuild == Rebuild.FROM_ID}
+        need = sorted({s.ident for b in self.blocks.values() for s in b.comms()
+                       if s.state == SlotState.LIVE and s.rebuild == Rebuild.FROM_ID} - roots)
+        nap = 0.0002
+        while True:
+            pending = set(self._relay(gen, {})) & roots
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise InterceptorError("the NCCL communicators were not rebuilt in time",
+                                       "no fresh id yet from the rank-0 member of " + ", ".join(
+                                           f"{i:016x}" for i in sorted(pending)),
+                                       "see the workers' logs (lines 'cryosleep-nccl[PID]')")
+            time.sleep(nap)
+            nap = min(nap * 2, 0.005)
+        out: dict[int, bytes] = {}
+        for b in self.blocks.values():
+            for s in b.comms():
+                if s.ident in roots and s.rank == 0:
+                    uid_gen, uid = b.uid(s.index)
+                    if uid_gen == gen:
+                        out[s.ident] = uid
+        return out, need
 
     def run(self, timeout: float = ANSWER_TIMEOUT_S) -> None:
         """RUN(g): every gate opens and the fast path is back."""
@@ -367,12 +421,12 @@ class Driver:
                 self.log(f"rebuild failed ({e.why}); quiescing the rebuilt ranks and retrying")
                 live = [r for r, b in self.blocks.items() if b.comms_live]
                 if live:
-                    self._requiesce(live, time.monotonic() + REBUILD_TIMEOUT_S)
+                    self.requiesce(live, time.monotonic() + REBUILD_TIMEOUT_S)
         self.run()
 
     # ---- rollback ----------------------------------------------------------------------------------
 
-    def _requiesce(self, ranks: list[int], deadline: float) -> None:
+    def requiesce(self, ranks: list[int], deadline: float) -> None:
         """Quiesces ranks that are live and exactly at the cut (targets = their own counters)."""
         for r in ranks:
             b = self.blocks[r]
@@ -395,7 +449,7 @@ class Driver:
                 self.run()
                 return []
             if live:
-                self._requiesce(live, time.monotonic() + REBUILD_TIMEOUT_S)
+                self.requiesce(live, time.monotonic() + REBUILD_TIMEOUT_S)
             self.resume()
             return []
         except CryosleepError as e:

@@ -108,7 +108,7 @@ class TriggerRunner:
         return run
 
     def _log(self, msg: str) -> None:
-        self.agent._log(msg)
+        self.agent.log_line(msg)
 
     def _store(self) -> LocalStore:
         return LocalStore(self.config.store or paths.default_store())

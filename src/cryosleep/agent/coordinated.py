@@ -1,0 +1,425 @@
+"""The node agent's part in a snapshot the coordinator runs across a job's nodes (``coordinator.client.NodeBackend``).
+
+A job started with ``cryosleep run --nnodes N --node-rank I --coordinator URL`` registers its agent with the
+coordinator, which then runs every snapshot of the job on all its nodes at once (docs/coordinator.md). Each
+operation is one step of ``capture.snapshot.NodeCapture`` -- the same code a one-node snapshot runs -- except
+the drain's decisions, which the coordinator takes over every rank of every node, and the rebuild's id relay,
+which crosses nodes through it::
+
+    prepare      preflight (refuse with reasons, nothing touched), outbound drain, fast-path staging
+    hold         HOLD(gen) on the local ranks                             -> their counters
+    report       (the ranks move on their own)                            -> their counters
+    targets      the targets the coordinator decided, written; answers awaited -> their counters
+    quiesce      QUIESCE(gen); the fast path's device memory out
+    net_hold     (keep-running) the sandbox's port on the job network disabled
+    capture      CUDA checkpoint + CRIU dump (keep-running: CUDA and device memory back at once)
+    net_release  (keep-running) the port enabled again
+    resume       REBUILD(gen); the ids published here by rank-0 members -> the coordinator
+    relay        the ids from other nodes written; every local rank RUNNING(gen)
+    run          RUN: the gates open
+    persist      the image committed to the local store and verified (stop: and to the remote store)
+    stop         the held workers ended: the job lives on in the snapshot
+    abort        whatever the snapshot did here undone; NCCL ranks running again (or, past the cut, every
+                 local rank quiesced at the cut, for the coordinator's resume)
+    end          (a rollback that could not bring every node back) the workers ended, none left half-dead
+
+One operation runs at a time. ``abort`` may arrive while an earlier command still runs (the coordinator gave
+up on it): it waits that command out (a CRIU dump ends by the snapshot's deadline), bounded by its own budget.
+Commands of a snapshot that was aborted or finished here change nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from cryosleep import paths
+from cryosleep.agent.interceptor import Cmd
+from cryosleep.capture import snapshot as capture_snapshot
+from cryosleep.coordinator.client import AgentRunner, Registration
+from cryosleep.coordinator.protocol import (
+    Command,
+    ident_hex,
+    local_deadline,
+    targets_from_json,
+    view_to_json,
+)
+from cryosleep.cut.driver import Driver
+from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound
+from cryosleep.net import sandbox as net_sandbox
+from cryosleep.store import persist as store_persist
+from cryosleep.store.local import LocalStore
+
+if TYPE_CHECKING:
+    from cryosleep.agent.agent import Agent
+
+STALL_FILE = "fault-stall"
+TARGETS_WAIT_S = 1.0  # how long a targets round waits for the ranks to answer before reporting what it sees
+
+
+def job_name(spec_name: str, nnodes: int, node_rank: int) -> str:
+    """The job's name at the coordinator: the node's local name without its ``.node<I>`` suffix."""
+    suffix = f".node{node_rank}"
+    return spec_name[: -len(suffix)] if nnodes > 1 and spec_name.endswith(suffix) else spec_name
+
+
+class CoordinatedNode:
+    """One node agent's backend: the coordinator's operations on this node's part of the job."""
+
+    def __init__(self, agent: Agent, store: LocalStore | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.agent = agent
+        self.store = store or LocalStore(paths.default_store())
+        self.log = log or (lambda _m: None)
+        self.op_lock = threading.Lock()
+        self.sid: str | None = None  # the snapshot this node is in
+        self.cap: capture_snapshot.NodeCapture | None = None
+        self.nccl: Driver | None = None
+        self.net_held = False
+        self.done: dict[str, str] = {}  # snapshot -> how it ended here ("verified", "aborted", "stopped")
+        self.images: dict[str, str] = {}  # snapshot -> this node's image in the local store
+        self.after_abort_at_cut = False
+
+    # ---- plumbing ----------------------------------------------------------------------------------------
+
+    def _serial(self, fn: Callable[[Command], dict[str, Any]], cmd: Command) -> dict[str, Any]:
+        lock = self.op_lock
+        if cmd.op == "abort":
+            budget = max(1.0, cmd.budget_s)
+            if not lock.acquire(timeout=budget):
+                raise CaptureFailed(f"node {self.agent.spec.node_rank} could not abort snapshot {cmd.snapshot}",
+                                    f"an earlier step was still running after {budget:.0f} s",
+                                    "see the node agent's log; end the job and restore its last verified snapshot")
+        else:
+            lock.acquire()
+        try:
+            self._stall(cmd)
+            return fn(cmd)
+        finally:
+            lock.release()
+
+    def _stall(self, cmd: Command) -> None:
+        """Fault injection (tests/jobs/test_reliability.py, docs/reliability.md): a file ``fault-stall`` in the job's
+        directory reading "OP SECONDS" makes the agent wait that long before its next OP (once: the file is
+        removed), after leaving ``stalled-OP`` there, so that a test can kill the coordinator, this agent or a
+        rank at a known step of a snapshot. One stat per operation when there is none."""
+        path = self.agent.job.path / STALL_FILE
+        try:
+            op, seconds = path.read_text().split()
+        except (OSError, ValueError):
+            return
+        if op != str(cmd.op):
+            return
+        path.unlink(missing_ok=True)
+        (self.agent.job.path / f"stalled-{op}").write_text(cmd.snapshot)
+        time.sleep(float(seconds))
+
+    def _current(self, cmd: Command) -> capture_snapshot.NodeCapture:
+        if cmd.snapshot in self.done:
+            raise CaptureFailed(f"snapshot {cmd.snapshot} already ended on this node ({self.done[cmd.snapshot]})",
+                                f"{cmd.op} arrived after it ended", "a coordinator bug: see its log")
+        if self.cap is None or self.sid != cmd.snapshot:
+            raise NotFound(f"node {self.agent.spec.node_rank} is not in snapshot {cmd.snapshot}",
+                           f"{cmd.op} arrived before prepare (or after the agent restarted)",
+                           "the coordinator rolls the snapshot back")
+        return self.cap
+
+    def _driver(self, cmd: Command) -> Driver | None:
+        """For resume, relay and run: the NCCL ranks here. They come in a snapshot's own resume, or in a
+        rollback's after ``abort`` (which may have ended the snapshot here: then there is nothing to rebuild
+        unless the ranks are quiesced, and a fresh driver over the published blocks finds out)."""
+        if cmd.snapshot == self.sid:
+            return self.nccl
+        if self.done.get(cmd.snapshot) != "aborted" or self.sid is not None:
+            self._current(cmd)  # raises, with why
+        target = self.agent.capture_target(False, lambda _m: None, persist=False)
+        nccl = capture_snapshot.nccl_driver(target)
+        if nccl is not None and all(b.comms_live for b in nccl.blocks.values()):
+            nccl.close()
+            return None  # running: nothing to rebuild here
+        self.sid, self.nccl, self.after_abort_at_cut = cmd.snapshot, nccl, True
+        return nccl
+
+    def _gen(self, nccl: Driver, cmd: Command) -> None:
+        nccl.gen = int(cmd.args["gen"]) - 1  # the next command written is exactly ``gen``
+
+    def _views(self, nccl: Driver | None) -> dict[str, Any]:
+        return {"views": [view_to_json(v) for v in nccl.views()] if nccl is not None else []}
+
+    def _end(self, how: str) -> None:
+        """The snapshot is over on this node: its state dropped, local snapshots allowed again."""
+        if self.sid is not None:
+            self.done[self.sid] = how
+            while len(self.done) > 64:
+                del self.done[next(iter(self.done))]
+        if self.cap is not None:
+            self.cap.close()
+        elif self.nccl is not None:
+            self.nccl.close()
+        self.cap = None
+        self.nccl = None
+        self.sid = None
+        self.agent.arm(None)
+        self.after_abort_at_cut = False
+        self.agent.state.snapshot_in_progress = None
+        self.agent.save_state()
+        if self.agent.snap_lock.locked():
+            self.agent.snap_lock.release()
+
+    # ---- the operations ----------------------------------------------------------------------------------
+
+    def prepare(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._prepare, cmd)
+
+    def _prepare(self, cmd: Command) -> dict[str, Any]:
+        if self.sid is not None and self.sid != cmd.snapshot:
+            raise Busy(f"node {self.agent.spec.node_rank} is still in snapshot {self.sid}",
+                       "it was neither finished nor aborted", "the coordinator aborts it; try again")
+        if self.sid == cmd.snapshot:
+            raise CaptureFailed(f"prepare of {cmd.snapshot} arrived twice", "", "a coordinator bug: see its log")
+        agent = self.agent
+        if not agent.snap_lock.acquire(blocking=False):
+            raise Busy(f"a snapshot of job {agent.spec.name!r} is already in progress on node "
+                       f"{agent.spec.node_rank}", f"started as {agent.state.snapshot_in_progress or 'another'}",
+                       "wait for it to finish, then try again")
+        stop = cmd.args.get("mode") == "stop"
+        self.sid = cmd.snapshot
+        try:
+            if agent.stopping or not agent.job_alive():
+                raise NotFound(f"job {agent.spec.name!r} has already exited on node {agent.spec.node_rank}",
+                               "there is nothing to capture", "restore one of its snapshots to run it again")
+            agent.state.snapshot_in_progress = f"{cmd.args.get('mode')} ({cmd.snapshot})"
+            agent.save_state()
+            target = agent.capture_target(stop, lambda _m: None, store=self.store)
+            self.cap = capture_snapshot.NodeCapture(target, self.store, stop=stop, deadline=local_deadline(cmd))
+            self.cap.preflight()
+            self.nccl = self.cap.nccl
+            self.cap.before_pause()
+        except BaseException as e:
+            err = self.cap.rollback(e) if self.cap is not None else e
+            self._end("refused")
+            if err is e:
+                raise
+            raise err from e
+        return {"ranks": agent.spec.ranks, "gen": self.nccl.gen if self.nccl is not None else 0,
+                "facts": capture_snapshot.host_facts(self.cap.criu, agent.runtime)}
+
+    def hold(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._hold, cmd)
+
+    def _hold(self, cmd: Command) -> dict[str, Any]:
+        cap = self._current(cmd)
+        if self.nccl is not None:
+            self._gen(self.nccl, cmd)
+            with cap.phases.phase("drain"):
+                self.nccl.hold(cap.deadline)
+        return self._views(self.nccl)
+
+    def report(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._report, cmd)
+
+    def _report(self, cmd: Command) -> dict[str, Any]:
+        cap = self._current(cmd)
+        if self.nccl is not None:
+            with cap.phases.phase("drain"):
+                time.sleep(min(float(cmd.args.get("wait_s", 0.0)), max(0.0, cap.deadline - time.monotonic())))
+                self.nccl.join_late_ranks(cap.deadline)
+        return self._views(self.nccl)
+
+    def targets(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._targets, cmd)
+
+    def _targets(self, cmd: Command) -> dict[str, Any]:
+        cap = self._current(cmd)
+        if self.nccl is None:
+            return self._views(None)
+        with cap.phases.phase("drain"):
+            self.nccl.join_late_ranks(cap.deadline)
+            views = self.nccl.apply_targets(targets_from_json(cmd.args.get("targets") or {}),
+                                            min(cap.deadline, time.monotonic() + TARGETS_WAIT_S))
+        return {"views": [view_to_json(v) for v in views]}
+
+    def quiesce(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._quiesce, cmd)
+
+    def _quiesce(self, cmd: Command) -> dict[str, Any]:
+        cap = self._current(cmd)
+        if self.nccl is not None:
+            self._gen(self.nccl, cmd)
+        cap.quiesce()
+        return {"records": cap.nccl_info.get("ranks", [])}
+
+    def net_hold(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._net_hold, cmd)
+
+    def _net_hold(self, cmd: Command) -> dict[str, Any]:
+        self._current(cmd)
+        if self.agent.spec.net:
+            net_sandbox.hold(self.agent.state.init_pid, True)
+            self.net_held = True
+        return {}
+
+    def net_release(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._net_release, cmd)
+
+    def _net_release(self, cmd: Command) -> dict[str, Any]:
+        self._current(cmd)
+        self._release_net()
+        return {}
+
+    def _release_net(self) -> None:
+        if self.net_held:
+            net_sandbox.hold(self.agent.state.init_pid, False)
+            self.net_held = False
+
+    def capture(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._capture, cmd)
+
+    def _capture(self, cmd: Command) -> dict[str, Any]:
+        cap = self._current(cmd)
+        cap.dump()
+        return {"phases": cap.phases.rounded()}
+
+    def resume(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._resume, cmd)
+
+    def _resume(self, cmd: Command) -> dict[str, Any]:
+        nccl = self._driver(cmd)
+        if nccl is None:
+            return {"uids": {}, "need": []}
+        self._gen(nccl, cmd)
+        gen = nccl.command(Cmd.REBUILD)
+        uids, need = nccl.published(gen, local_deadline(cmd))
+        return {"uids": {ident_hex(i): u.hex() for i, u in uids.items()}, "need": [ident_hex(i) for i in need]}
+
+    def relay(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._relay, cmd)
+
+    def _relay(self, cmd: Command) -> dict[str, Any]:
+        nccl = self._driver(cmd)
+        if nccl is None:
+            return {}
+        uids = {int(k, 16): bytes.fromhex(str(v)) for k, v in (cmd.args.get("uids") or {}).items()}
+        nccl.rebuild_wait(int(cmd.args["gen"]), local_deadline(cmd), uids)
+        return {}
+
+    def run(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._run, cmd)
+
+    def _run(self, cmd: Command) -> dict[str, Any]:
+        nccl = self._driver(cmd)
+        if nccl is not None:
+            self._gen(nccl, cmd)
+            nccl.run()
+        if self.cap is not None and cmd.snapshot == self.sid and not self.cap.stop:
+            self.agent.arm(None)  # the job runs again: it survives its agent
+        if self.after_abort_at_cut:  # the rollback's rebuild: the snapshot is over here
+            self._end("aborted")
+        return {}
+
+    def persist(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._persist, cmd)
+
+    def _persist(self, cmd: Command) -> dict[str, Any]:
+        cap = self._current(cmd)
+        manifest = cap.commit()
+        self.images[cmd.snapshot] = manifest.id
+        cap.verify(cmd.budget_s)
+        cap.persist()
+        remote = (self.agent.spec.persist or {}).get("url")
+        data = (self.store.path_of(manifest.id) / "manifest.json").read_bytes()
+        image = {"ref": manifest.id, "store": str(self.store.root), "remote": remote,
+                 "host": socket.gethostname(), "bytes": manifest.bytes,
+                 "sha256": hashlib.sha256(data).hexdigest(), "pause_s": manifest.pause_s}
+        if not cap.stop:  # the job runs already: this node's part is done
+            cap.finish()
+            self.agent.state.last_snapshot = manifest.id
+            store_persist.after_snapshot(self.agent.persister, self.store, manifest)
+            self._end("verified")
+        return {"image": image, "phases": cap.phases.rounded()}
+
+    def stop(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._stop, cmd)
+
+    def _stop(self, cmd: Command) -> dict[str, Any]:
+        if self.done.get(cmd.snapshot) == "stopped":
+            return {}
+        cap = self._current(cmd)
+        cap.end()
+        manifest = cap.finish()
+        self.agent.state.last_snapshot = manifest.id
+        store_persist.after_snapshot(self.agent.persister, self.store, manifest)
+        self._end("stopped")
+        return {"image": manifest.id}
+
+    def abort(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._abort, cmd)
+
+    def _abort(self, cmd: Command) -> dict[str, Any]:
+        at_cut = bool(cmd.args.get("at_cut"))
+        if cmd.snapshot != self.sid:
+            # never seen here, or already over: a verified keep-running image of a snapshot that failed
+            # elsewhere is removed (the snapshot is never listed valid, and nothing refers to the image)
+            how = self.done.get(cmd.snapshot)
+            ref = self.images.pop(cmd.snapshot, None)
+            if how == "verified" and ref is not None:
+                self.store.remove(ref)
+                self.done[cmd.snapshot] = "aborted"
+            if at_cut and how is None and self.sid is None:
+                return {"state": "unknown"}
+            return {"state": "running"}
+        problems: list[str] = []
+        try:
+            self._release_net()
+        except CryosleepError as e:
+            problems.append(f"{e.what}: {e.why}")
+        if self.cap is not None:
+            problems += self.cap.undo_capture()
+        self.images.pop(cmd.snapshot, None)
+        nccl = self.nccl
+        if nccl is not None and at_cut:
+            live = [r for r, b in nccl.blocks.items() if b.comms_live]
+            if live:
+                self._gen(nccl, cmd)
+                nccl.requiesce(live, local_deadline(cmd))
+            self.after_abort_at_cut = True
+            if problems:
+                raise CaptureFailed(f"node {self.agent.spec.node_rank} could not undo snapshot {cmd.snapshot}",
+                                    "; ".join(problems), "end the job and restore its last verified snapshot")
+            return {"state": "quiesced"}
+        if nccl is not None and nccl.touched:
+            self._gen(nccl, cmd)
+            nccl.run()
+        self._end("aborted")
+        if problems:
+            raise CaptureFailed(f"node {self.agent.spec.node_rank} could not undo snapshot {cmd.snapshot}",
+                                "; ".join(problems), "end the job and restore its last verified snapshot")
+        return {"state": "running"}
+
+
+    def end(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._endop, cmd)
+
+    def _endop(self, cmd: Command) -> dict[str, Any]:
+        reason = str(cmd.args.get("reason") or f"snapshot {cmd.snapshot} failed past its cut")
+        self.agent.end_job(f"ended by the coordinator: {reason}; restore the job's last verified snapshot")
+        self._end("ended")
+        return {}
+
+
+def connect(agent: Agent, url: str, token: str, *, wait_s: float = 20.0) -> AgentRunner:
+    """Registers this node's agent with the coordinator and serves its commands (on a thread)."""
+    spec = agent.spec
+    address = str(spec.net.get("address", "")) if spec.net else ""
+    reg = Registration(job=job_name(spec.name, spec.nnodes, spec.node_rank), nnodes=spec.nnodes,
+                       node_rank=spec.node_rank, ranks=spec.ranks, hostname=socket.gethostname(), address=address,
+                       facts={"local_job": spec.name, "restored_from": agent.state.restored_from},
+                       spec={"nproc_per_node": spec.nproc_per_node, "run_id": spec.run_id,
+                             "program": spec.program[-3:], "fast_path": spec.fast_path})
+    log = agent.log_line
+    backend = CoordinatedNode(agent, log=log)
+    return AgentRunner(url, token, backend, reg, wait_s=wait_s, log=log).start()

@@ -1,0 +1,192 @@
+"""Fault injection with real components: a real coordinator, real node agents, real CRIU, real gloo DDP.
+
+A job of two nodes on this host (one rank each, on the job network), snapshotted by the coordinator. Node 1's
+agent is made to stall at one step of a snapshot (``fault-stall``, agent/coordinated.py); meanwhile the test
+kills the coordinator (and starts it again on the same address), node 1's agent, or node 1's rank. Whatever
+happens, the job either continues unharmed, or (a stop snapshot past its point of no return) stays suspended
+in a verified snapshot, or ends as a whole with its last verified snapshot intact; never half-dead, never a
+snapshot listed valid that does not restore: every outcome is checked by running or restoring the job to its
+end and comparing its losses with an uninterrupted run. docs/reliability.md has the table.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import require_criu
+from tests.jobs.coordinated import Coordinator, alive, wait_for
+from tests.jobs.harness import Harness, free_port, reference, workload
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["--steps", "5000", "--step-sleep", "0.03"]  # longer than any test here: each ends it once checked
+REF_STEPS = 2000  # the losses are compared with an uninterrupted run's, step by step, up to this many
+STALL_S = 4
+JOB = "rel"
+NODES = (f"{JOB}.node0", f"{JOB}.node1")
+
+
+@pytest.fixture
+def coord(cryo_home: Path, tmp_path: Path) -> Iterator[Coordinator]:
+    require_criu()
+    c = Coordinator(tmp_path)
+    yield c
+    c.stop()
+
+
+class Job:
+    def __init__(self, h: Harness, coord: Coordinator) -> None:
+        self.h = h
+        self.coord = coord
+        self.env = coord.env(h.env)
+
+    def start(self) -> None:
+        port = str(free_port())
+        for n in (0, 1):
+            self.h.cli_json("run", "--detach", "--name", JOB, "--nnodes", "2", "--node-rank", str(n),
+                            "--nproc-per-node", "1", "--master-port", port, "--run-id", f"{JOB}-{port}", "--net",
+                            "job", "--coordinator", self.coord.url, str(workload("ddp_basic")), *ARGS, env=self.env)
+        self.h.wait_step(NODES[0], 5)  # rank 0's log; rank 1 steps with it
+
+    def restore(self, sid: str) -> None:
+        for n in (0, 1):
+            self.h.cli_json("restore", "--detach", "--node-rank", str(n), "--coordinator", self.coord.url, sid,
+                            env=self.env)
+
+    def agent_pid(self, node: int) -> int:
+        return self.h.job(NODES[node]).read()[1].agent_pid
+
+    def worker_pids(self, node: int) -> list[int]:
+        return self.h.pids(NODES[node])[1:]
+
+    def stall(self, op: str) -> None:
+        (self.h.job(NODES[1]).path / "fault-stall").write_text(f"{op} {STALL_S}")
+
+    def stalled(self, op: str) -> bool:
+        return (self.h.job(NODES[1]).path / f"stalled-{op}").exists()
+
+    def rank_done(self, node: int) -> bool:
+        log = self.h.job(NODES[node]).rank_log(node)
+        return log.exists() and f"done rank {node}" in log.read_text()
+
+    def steps(self, node: int) -> int:
+        got = self.h.losses(NODES[node], node)
+        return int(got[-1].split()[0]) if got else -1
+
+    def assert_identical(self, more: int = 30) -> None:
+        """Both ranks train on for ``more`` steps; every step so far has the loss of an uninterrupted run."""
+        target = max(self.steps(0), self.steps(1)) + more
+        wait_for(lambda: min(self.steps(0), self.steps(1)) >= target, 120, f"both ranks at step {target}")
+        ref = reference(workload("ddp_basic"), ["--steps", str(REF_STEPS)], nproc=2)
+        for r in (0, 1):
+            got = self.h.losses(NODES[r], r)
+            assert len(got) <= REF_STEPS, "raise REF_STEPS"
+            n = len(got)
+            assert got == ref[r][:n], f"rank {r}: first difference at step " + str(
+                next(i for i, (x, y) in enumerate(zip(got, ref[r], strict=False)) if x != y))
+
+    def kill_everything(self) -> None:
+        for name in NODES:
+            if self.h.job(name).exists():
+                self.h.kill_all(name)
+
+
+def finished(coord: Coordinator, sid: str) -> bool:
+    row = coord.detail(sid)
+    return row["finished_at"] is not None and row["state"] in ("verified", "failed", "aborted")
+
+
+def faulted_snapshot(coord: Coordinator, job: Job, mode: str, op: str, inject: Callable[[], None]) -> dict[str, Any]:
+    """A snapshot with node 1 stalled at ``op`` and ``inject`` run meanwhile; its final row."""
+    job.stall(op)
+    sid = coord.snapshot(JOB, stop=mode == "stop", wait=False)["id"]
+    wait_for(lambda: job.stalled(op), 60, f"node 1 stalled at {op}")
+    (job.h.job(NODES[1]).path / f"stalled-{op}").unlink()
+    inject()
+    wait_for(lambda: finished(coord, sid), 90, f"snapshot {sid} finished")
+    return coord.detail(sid)
+
+
+def restart(coord: Coordinator) -> None:
+    coord.kill()
+    coord.start()
+
+
+COORDINATOR_CASES = [("keep-running", "hold"), ("keep-running", "capture"), ("keep-running", "persist"),
+                     ("stop", "capture"), ("stop", "persist")]
+
+
+def test_coordinator_killed_at_each_phase(coord: Coordinator, cryo_home: Path) -> None:
+    """The coordinator SIGKILLed while node 1 is at each step, and started again on the same address: before the
+    point of no return the snapshot is aborted (never valid) and the job goes on, unharmed and snapshottable;
+    past it (a stop snapshot's stop) the snapshot is valid and the job suspended in it, and restores."""
+    h = Harness(cryo_home)
+    job = Job(h, coord)
+    job.start()
+    try:
+        for mode, op in COORDINATOR_CASES:
+            row = faulted_snapshot(coord, job, mode, op, lambda: restart(coord))
+            assert row["state"] == "aborted" and not row["valid"], (mode, op, row["state"])
+            assert row["id"] not in coord.valid(JOB)
+            assert any(e["kind"] == "recover" for e in row["events"])
+            wait_for(lambda: coord.job(JOB)["state"] == "running", 30, "every node of the job alive")
+            assert h.state(NODES[0]) == h.state(NODES[1]) == "running"
+            again = coord.snapshot(JOB)  # the rollback left the job consistent: it snapshots again
+            assert again["state"] == "verified", again.get("error")
+        job.assert_identical()
+        row = faulted_snapshot(coord, job, "stop", "stop", lambda: restart(coord))
+        assert row["state"] == "verified" and row["valid"] and row["id"] in coord.valid(JOB)
+        assert h.wait_end(NODES[0], 60) == 75 and h.wait_end(NODES[1], 60) == 75
+        assert coord.job(JOB)["state"] == "suspended"
+        job.restore(row["id"])
+        job.assert_identical()
+    finally:
+        job.kill_everything()
+
+
+CASES = [
+    # fault, mode, the operation node 1 stalls at (the phase), outcome
+    ("agent", "keep-running", "hold", "continues"),
+    ("agent", "stop", "persist", "ends"),
+    ("rank", "keep-running", "hold", "ends"),
+    ("rank", "stop", "capture", "ends"),
+]
+
+
+@pytest.mark.parametrize(("fault", "mode", "op", "outcome"), CASES, ids=[f"{f}-{m}-{o}" for f, m, o, _ in CASES])
+def test_node_fault_during_a_snapshot(coord: Coordinator, cryo_home: Path, fault: str, mode: str, op: str,
+                                      outcome: str) -> None:
+    """Node 1's agent or its rank SIGKILLed while node 1 is at a step of a snapshot."""
+    h = Harness(cryo_home)
+    job = Job(h, coord)
+    job.start()
+    try:
+        base = coord.snapshot(JOB)  # the last verified snapshot before the fault
+        assert base["state"] == "verified", base.get("error")
+        victim = job.agent_pid(1) if fault == "agent" else job.worker_pids(1)[0]
+        row = faulted_snapshot(coord, job, mode, op, lambda: os.kill(victim, signal.SIGKILL))
+        sid = row["id"]
+        assert row["state"] == "failed" and not row["valid"], row["state"]
+        assert sid not in coord.valid(JOB) and base["id"] in coord.valid(JOB)
+        if outcome == "continues":
+            # before the cut node 1's rank was only held: without its agent it trains on, and so does the job
+            job.assert_identical()
+            return
+        # the job ended as a whole (no part of it left frozen, held or deaf); the last verified snapshot is
+        # intact, and restores
+        for node in (0, 1):
+            pids = [job.agent_pid(node), *h.pids(NODES[node])]
+            wait_for(lambda pids=pids: not any(alive(p) for p in pids), 60, f"node {node}'s processes ended")
+        if fault == "agent":  # node 1's watchdog ended its part, and the coordinator ended node 0's
+            assert any(e["kind"] == "ended" for e in row["events"])
+            assert "ended by the coordinator" in h.job(NODES[0]).read()[1].detail
+        job.restore(base["id"])
+        job.assert_identical()
+    finally:
+        job.kill_everything()
