@@ -206,3 +206,25 @@ def test_catalog_keeps_an_aborted_snapshot_unfinished_until_rolled_back(tmp_path
     assert [r["id"] for r in cat.snapshots("j", valid_only=True)] == ["s2"]
     assert cat.by_request("j", "r")["id"] == "s2"
     cat.close()
+
+
+def test_restore_of_a_node_refuses_what_it_cannot_restore(env: Env, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`restore SNAPSHOT --node-rank I` looks the node's image up at the coordinator: a snapshot that is not
+    verified, or a node it does not have, is refused before anything is fetched or started."""
+    c = env.cluster(nnodes=2, nproc=1, faults={1: SimFaults(fail={"persist": "disk full"})})
+    failed = env.client().snapshot("sim", timeout_s=20)
+    assert failed["state"] == "failed"
+    c.nodes[1].faults.fail.clear()
+    good = env.client().snapshot("sim", timeout_s=20)
+    assert good["state"] == "verified"
+    monkeypatch.setenv("CRYOSLEEP_COORDINATOR", env.url)
+    monkeypatch.setenv("CRYOSLEEP_COORDINATOR_TOKEN_FILE", str(env.tmp / "token"))
+    assert main(["restore", failed["id"], "--node-rank", "0", "--json"]) == 1
+    err = json.loads(capsys.readouterr().out)
+    assert err["error"] == "not_eligible" and "not verified" in err["why"] and "--valid" in err["hint"]
+    assert main(["restore", good["id"], "--node-rank", "5", "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert err["error"] == "usage" and "has no node 5" in err["what"] and "[0, 1]" in err["why"]
+    assert main(["restore", good["id"], "--coordinator", env.url, "--json"]) == 2
+    assert "--node-rank" in json.loads(capsys.readouterr().out)["hint"]

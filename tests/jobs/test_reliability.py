@@ -139,6 +139,9 @@ def test_coordinator_killed_at_each_phase(coord: Coordinator, cryo_home: Path) -
             assert h.state(NODES[0]) == h.state(NODES[1]) == "running"
             again = coord.snapshot(JOB)  # the rollback left the job consistent: it snapshots again
             assert again["state"] == "verified", again.get("error")
+            # no node image is left of the aborted snapshot: the store holds exactly the valid ones' images
+            images = {n["image"]["ref"] for sid in coord.valid(JOB) for n in coord.detail(sid)["nodes"]}
+            assert {s["snapshot"] for s in h.ls()} == images, (mode, op)
         job.assert_identical()
         row = faulted_snapshot(coord, job, "stop", "stop", lambda: restart(coord))
         assert row["state"] == "verified" and row["valid"] and row["id"] in coord.valid(JOB)

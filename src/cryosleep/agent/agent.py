@@ -268,16 +268,28 @@ class Agent:
         self.tail = LogTail(self.job, self.spec.ranks, self.out)
 
     def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
-                timeout: float = 600.0, gpu_map: list[int] | None = None) -> capture_restore.Restored:
-        """Bring the job back from a snapshot into a fresh sandbox."""
+                timeout: float = 600.0, gpu_map: list[int] | None = None,
+                rendezvous: coordinated.RestoreRendezvous | None = None) -> capture_restore.Restored:
+        """Bring the job back from a snapshot into a fresh sandbox. ``rendezvous``: one node of a multi-node
+        restore: nothing starts unless every node passed its checks, and ids cross nodes at the rebuild."""
         become_subreaper()
+        passed = False
 
-        def lock(manifest: Any) -> None:
+        def before_criu(manifest: Any) -> None:
+            nonlocal passed
             self.lock_fd = self.job.take_lock()
+            if rendezvous is not None:
+                rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
+            passed = True
 
-        restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
-                                           progress=progress, before_criu=lock, gpu_map=gpu_map,
-                                           net_peers=self.net_peers)
+        try:
+            restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
+                                               progress=progress, before_criu=before_criu, gpu_map=gpu_map,
+                                               net_peers=self.net_peers, relay=rendezvous)
+        except CryosleepError as e:
+            if rendezvous is not None and not passed:  # the other nodes must not start without this one
+                rendezvous.refuse(list(e.details.get("problems") or []) or [f"{e.what}: {e.why}"])
+            raise
         self.spec = restored.spec
         self.net_end = restored.net_end
         fast = restored.manifest.nodes[0].gpu.get("fast_path") or {}

@@ -31,6 +31,7 @@ Commands of a snapshot that was aborted or finished here change nothing.
 from __future__ import annotations
 
 import hashlib
+import secrets
 import socket
 import threading
 import time
@@ -38,9 +39,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cryosleep import paths
-from cryosleep.agent.interceptor import Cmd
+from cryosleep.agent.interceptor import Cmd, InterceptorError
 from cryosleep.capture import snapshot as capture_snapshot
-from cryosleep.coordinator.client import AgentRunner, Registration
+from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Registration
 from cryosleep.coordinator.protocol import (
     Command,
     ident_hex,
@@ -49,7 +50,7 @@ from cryosleep.coordinator.protocol import (
     view_to_json,
 )
 from cryosleep.cut.driver import Driver
-from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound
+from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotEligible, NotFound
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
 
 STALL_FILE = "fault-stall"
 TARGETS_WAIT_S = 1.0  # how long a targets round waits for the ranks to answer before reporting what it sees
+READY_TTL_S = 600.0  # a node's "ready" for a restore counts this long (an older one is a failed attempt's)
+RESTORE_GEN_MARGIN = 16  # the restore's REBUILD generation: this far above any generation the images hold
 
 
 def job_name(spec_name: str, nnodes: int, node_rank: int) -> str:
@@ -423,3 +426,97 @@ def connect(agent: Agent, url: str, token: str, *, wait_s: float = 20.0) -> Agen
     log = agent.log_line
     backend = CoordinatedNode(agent, log=log)
     return AgentRunner(url, token, backend, reg, wait_s=wait_s, log=log).start()
+
+
+class RestoreRendezvous:
+    """One node of a multi-node restore (``cryosleep restore SNAPSHOT --node-rank I``), meeting the others at the
+    coordinator (coordinator/rendezvous.py):
+
+    * ``barrier``, once this node's checks passed (or ``refuse`` when they failed): waits until every node of the
+      snapshot is ready, so that nothing starts anywhere unless every node can restore; one node's problems stop
+      them all, each told which node failed and why;
+    * ``generation`` and ``exchange`` (``capture.restore.Relay``), after CRIU: the REBUILD generation all nodes use
+      (above any the images hold), and the communicators' fresh ids across nodes.
+
+    The nodes that passed one barrier together share an attempt id (from the tokens they posted), so that ids left
+    on the board by an earlier, failed attempt are never taken."""
+
+    def __init__(self, client: CoordinatorClient, sid: str, node_rank: int, nnodes: int, timeout: float,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.client = client
+        self.sid = sid
+        self.node_rank = node_rank
+        self.nnodes = nnodes
+        self.timeout = timeout
+        self.log = log or (lambda _m: None)
+        self.token = secrets.token_hex(8)
+        self.attempt = ""
+        self.gen = 0
+
+    def _entry(self, ok: bool, problems: list[str], gen: int) -> dict[str, Any]:
+        return {f"ready/{self.node_rank}": {"ok": ok, "problems": problems, "gen": gen, "token": self.token,
+                                            "host": socket.gethostname()}}
+
+    def refuse(self, problems: list[str]) -> None:
+        """This node cannot restore: every other node is told before it starts anything."""
+        try:
+            self.client.rendezvous(self.sid, self._entry(False, problems, 0))
+        except CryosleepError as e:
+            self.log(f"could not tell the other nodes that this one cannot restore: {e.what}")
+
+    def barrier(self, gen: int) -> None:
+        """This node is ready (its captured NCCL generation ``gen``); returns once every node is, or raises."""
+        self.client.rendezvous(self.sid, self._entry(True, [], gen))
+        end = time.monotonic() + self.timeout
+        while True:
+            items = self.client.rendezvous(self.sid, prefix="ready/", min_keys=self.nnodes,
+                                           wait_s=min(10.0, max(0.0, end - time.monotonic())))
+            fresh = {k: v["value"] for k, v in items.items() if v["age_s"] < READY_TTL_S and v["value"].get("ok")
+                     is not None}
+            bad = {k: v for k, v in fresh.items() if not v["ok"]}
+            if bad:
+                self._withdraw()
+                raise NotEligible(f"snapshot {self.sid} cannot be restored: another node cannot take its image",
+                                  "; ".join(f"node {k.split('/')[1]} on {v.get('host')}: " + "; ".join(v["problems"])
+                                            for k, v in sorted(bad.items())),
+                                  "fix what is listed on that node and run the restore of every node again; nothing "
+                                  "was started here")
+            if len(fresh) >= self.nnodes:
+                self.attempt = hashlib.sha256(" ".join(sorted(v["token"] for v in fresh.values())).encode()
+                                              ).hexdigest()[:16]
+                self.gen = max(int(v.get("gen") or 0) for v in fresh.values()) + RESTORE_GEN_MARGIN
+                self.log(f"every node of {self.sid} is ready (attempt {self.attempt})")
+                return
+            if time.monotonic() > end:
+                self._withdraw()
+                missing = sorted(set(range(self.nnodes)) - {int(k.split("/")[1]) for k in fresh})
+                raise NotEligible(f"snapshot {self.sid} cannot be restored: not every node came",
+                                  f"no restore of node(s) {missing} within {self.timeout:g} s",
+                                  "run `cryosleep restore SNAPSHOT --node-rank I` for every node of the job; "
+                                  "nothing was started here")
+
+    def _withdraw(self) -> None:
+        try:
+            self.client.rendezvous(self.sid, {f"ready/{self.node_rank}": {"ok": None, "token": self.token}})
+        except CryosleepError:
+            pass
+
+    def generation(self) -> int:
+        return self.gen
+
+    def exchange(self, gen: int, uids: dict[int, bytes], need: list[int], deadline: float) -> dict[int, bytes]:
+        prefix = f"uid/{self.attempt}/{gen}/"
+        self.client.rendezvous(self.sid, {prefix + ident_hex(i): u.hex() for i, u in uids.items()})
+        want = {prefix + ident_hex(i): i for i in need}
+        got: dict[int, bytes] = {}
+        while want.keys() - {prefix + ident_hex(i) for i in got}:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(k.rsplit("/", 1)[1] for k in want if want[k] not in got)
+                raise InterceptorError("the NCCL communicators could not be rebuilt across nodes",
+                                       "no fresh id from another node for communicator(s) " + ", ".join(missing),
+                                       "is every node of the job restoring? see their logs")
+            items = self.client.rendezvous(self.sid, prefix=prefix, min_keys=len(uids) + len(want),
+                                           wait_s=min(10.0, left))
+            got.update({want[k]: bytes.fromhex(str(v["value"])) for k, v in items.items() if k in want})
+        return got

@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import ControlBlock, InterceptorError, State
+from cryosleep.agent.interceptor import Cmd, ControlBlock, InterceptorError, State
 from cryosleep.agent.job import JobSpec
 from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_install, cuda, files, outbound
@@ -107,7 +107,7 @@ def gpu_pairs(captured: list[dict[str, Any]], here: list[cuda.Gpu], gpu_map: lis
 
 def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600.0,
             progress: Progress | None = None, before_criu: Callable[[Manifest], None] | None = None,
-            gpu_map: list[int] | None = None, net_peers: Sequence[str] = ()) -> Restored:
+            gpu_map: list[int] | None = None, net_peers: Sequence[str] = (), relay: Relay | None = None) -> Restored:
     phases = Phases(progress)
     criu = criu_install.locate()
     with phases.phase("verify"):
@@ -177,7 +177,9 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
             with phases.phase("cuda-unlock"):
                 gpus.unlock()
         if node.nccl.get("ranks"):
-            rebuild_nccl(init_pid, node.nccl, phases)
+            # across nodes, the others may still be in their CRIU restore: wait for them within the restore's time
+            rebuild_nccl(init_pid, node.nccl, phases, timeout=30.0 if relay is None else min(timeout, 300.0),
+                         relay=relay)
     except BaseException:
         _kill_tree(init_pid)  # a half-restored job must not linger
         raise
@@ -200,10 +202,20 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path) -> None:
         os.replace(tmp, path)
 
 
-def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = None, timeout: float = 30.0) -> None:
+class Relay(Protocol):
+    """A multi-node restore's rebuild (agent/coordinated.py's RestoreRendezvous): the REBUILD generation every
+    node uses, and the fresh ids of communicators whose rank-0 member was restored on another node."""
+
+    def generation(self) -> int: ...
+    def exchange(self, gen: int, uids: dict[int, bytes], need: list[int], deadline: float) -> dict[int, bytes]: ...
+
+
+def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = None, timeout: float = 30.0,
+                 relay: Relay | None = None) -> None:
     """The restored workers' interceptors are QUIESCED (or OFFLOADED: the fast path), holding every NCCL call:
     bring offloaded device memory back, re-create their communicators from fresh unique ids and open the
-    gates. Their control blocks came back (the files phase) at the paths they map."""
+    gates. Their control blocks came back (the files phase) at the paths they map. ``relay``: the job spans
+    nodes, and ids cross them through the coordinator."""
     phases = phases or Phases(None)
     deadline = time.monotonic() + timeout
     blocks: dict[int, ControlBlock] = {}
@@ -222,7 +234,14 @@ def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = N
             with phases.phase("reload"):
                 driver.reload(offloaded, deadline + 60)
         with phases.phase("rebuild"):
-            driver.resume()
+            if relay is None:
+                driver.resume()
+            else:
+                driver.gen = relay.generation() - 1
+                gen = driver.command(Cmd.REBUILD)
+                uids, need = driver.published(gen, deadline)
+                driver.rebuild_wait(gen, deadline, relay.exchange(gen, uids, need, deadline))
+                driver.run()
     except InterceptorError as e:
         raise RestoreFailed("the job's NCCL communicators could not be rebuilt after the restore",
                             f"{e.what}: {e.why}",

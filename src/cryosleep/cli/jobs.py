@@ -14,12 +14,14 @@ from typing import Any
 
 from cryosleep import paths
 from cryosleep.agent.agent import Agent
+from cryosleep.agent.coordinated import RestoreRendezvous
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.capture import outbound
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
 from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
+from cryosleep.coordinator.client import CoordinatorClient
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
 from cryosleep.triggers.runner import TriggerRunner
@@ -266,7 +268,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     return _finish(agent, agent.serve(), a.json)
 
 
-def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str, str]]:
+def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str, str], int]:
     """``restore SNAPSHOT --node-rank I``: node I's image of a coordinator's snapshot (its reference, and where it
     is: the remote store it persisted to, else the local store it was committed to), and the coordinator."""
     url, token = coord_client.resolve(a.coordinator, a.token_file)
@@ -289,14 +291,14 @@ def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str
     if where is None:
         local = Path(str(image.get("store") or paths.default_store()))
         where = image.get("remote") if image.get("remote") and not (local / str(image["ref"])).is_dir() else local
-    return str(image["ref"]), where, (url, token)
+    return str(image["ref"]), where, (url, token), len(row.get("nodes") or ())
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
     require_root("restoring a snapshot")
-    ref, where, coordinator = a.snapshot, a.store, None
+    ref, where, coordinator, nnodes = a.snapshot, a.store, None, 1
     if a.node_rank is not None:
-        ref, where, coordinator = node_image(a)
+        ref, where, coordinator, nnodes = node_image(a)
     elif a.coordinator is not None:
         raise UsageError("--coordinator without --node-rank", "which node of the job's snapshot to restore here?",
                          "add --node-rank I")
@@ -319,7 +321,12 @@ def cmd_restore(a: argparse.Namespace) -> int:
         else:
             agent.coordinator = coordinator
         agent.triggers = TriggerRunner(agent, triggers)
-        agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map)
+        rendezvous = None
+        if coordinator is not None:  # one node of a multi-node restore: it meets the others at the coordinator
+            rendezvous = RestoreRendezvous(CoordinatorClient(*coordinator), a.snapshot, a.node_rank, nnodes,
+                                           a.timeout, agent.log_line)
+        agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map,
+                      rendezvous=rendezvous)
         if fetched is not None:  # the restored job goes on persisting where it came from
             agent.spec.persist = remote_config(agent.spec.name, fetched["store"], a.key_file, a.local_keep)
         if agent.coordinator is not None:

@@ -7,6 +7,7 @@
     core       the service's logic without HTTP: registration, polls, triggers, one run per job, recovery
     service    the HTTP API (bearer token) around ``core``; `cryosleep coordinator serve`
     client     the CLI's client, and the node agent's side: ``NodeBackend`` + ``AgentRunner``
+    rendezvous where the nodes restoring one snapshot meet: the barrier, the id relay
     sim        simulated node agents and ranks (tests, bench/coordinator_scale.py)
 """
 

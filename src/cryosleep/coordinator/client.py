@@ -174,6 +174,17 @@ class CoordinatorClient:
     def snapshot_detail(self, sid: str) -> dict[str, Any]:
         return self.http.call("GET", f"/v1/snapshots/{quote(sid, safe='')}")
 
+    def rendezvous(self, sid: str, put: dict[str, Any] | None = None, prefix: str | None = None,
+                   min_keys: int = 0, wait_s: float = 0.0) -> dict[str, dict[str, Any]]:
+        """The restore's board (coordinator/rendezvous.py): posts ``put``, returns the keys under ``prefix``
+        ({key: {"value", "age_s"}}), waiting up to ``wait_s`` for ``min_keys`` of them."""
+        body: dict[str, Any] = {"put": put or {}}
+        if prefix is not None:
+            body["get"] = {"prefix": prefix, "min": min_keys, "wait_s": wait_s}
+        out: dict[str, dict[str, Any]] = self.http.call("POST", f"/v1/snapshots/{quote(sid, safe='')}/restore",
+                                                         body, timeout=wait_s + 30)["items"]
+        return out
+
 
 # ---- the node agent's side ---------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, ProtocolError, Result
+from cryosleep.coordinator.rendezvous import Board
 from cryosleep.errors import Busy, NotEligible, NotFound, UsageError
 
 
@@ -45,6 +46,7 @@ class Coordinator:
         self.cfg = cfg or ServiceConfig()
         self.log: Callable[[str], None] = log or _stderr_log
         self.hub = Hub(self.cfg.redeliver_s)
+        self.board = Board()  # multi-node restores meet here (coordinator/rendezvous.py)
         self.lock = threading.Lock()
         self.active: dict[str, SnapshotRun] = {}  # job -> its snapshot in progress
         self.threads: list[threading.Thread] = []

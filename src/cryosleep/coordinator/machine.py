@@ -187,8 +187,8 @@ class SnapshotRun:
             first = out.failed[0]
             raise CaptureFailed(f"node {first.node} of job {self.job!r} failed the snapshot at {op}",
                                 "; ".join(f"node {f.node}: {f.why}" for f in out.failed),
-                                "every node was told to abort and resume; see `cryosleep coordinator snapshot "
-                                "-d SNAPSHOT` for the events, and the node agents' logs",
+                                f"every node was told to abort and resume; see `cryosleep coordinator show {self.sid}` "
+                                "for the events, and the node agents' logs",
                                 node=first.node, op=str(op), snapshot=self.sid)
         return out
 

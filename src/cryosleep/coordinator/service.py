@@ -74,6 +74,7 @@ ROUTES: list[Route] = [
     ("POST", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/snapshots$"), "trigger"),
     ("GET", re.compile(r"^/v1/snapshots$"), "snapshots"),
     ("GET", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)$"), "snapshot"),
+    ("POST", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)/restore$"), "rendezvous"),
 ]
 
 
@@ -197,6 +198,10 @@ class Handler(BaseHTTPRequestHandler):
         if name == "trigger":
             return c.trigger(p["job"], str(body.get("mode", "keep-running")), body.get("timeout_s"),
                              body.get("request_id"), bool(body.get("wait", False)))
+        if name == "rendezvous":
+            get = body.get("get") or {}
+            return c.board.exchange(p["sid"], body.get("put"), get.get("prefix"), int(get.get("min", 0)),
+                                    float(get.get("wait_s", 0.0)))
         if name == "snapshots":
             jobs = q.get("job")
             return {"snapshots": c.snapshots(jobs[0] if jobs else None, valid)}

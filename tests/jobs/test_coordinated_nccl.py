@@ -1,0 +1,81 @@
+"""An NCCL job across two nodes, snapshotted and restored through a real coordinator (CPU: the stand-in NCCL
+behind the interceptor, real CRIU, real agents; two nodes on this host, on the job network).
+
+Its communicators span both nodes, so neither node can reach a cut on its own: the coordinator decides the cut
+over the four ranks, every node quiesces, captures, and the rebuilt communicators' fresh ids cross the nodes
+through it (resume/relay); at the restore the nodes meet at its board (the barrier, then the id relay). The
+per-step digests of all four ranks must equal an uninterrupted 4-rank run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.jobs.coordinated import Coordinator
+from tests.jobs.harness import Harness, free_port, reference, workload
+from tests.jobs.test_nccl_cut import args_for, h, lingering  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.slow
+
+NODES = ("nd.node0", "nd.node1")
+
+
+@pytest.fixture
+def coord(h: Harness, tmp_path: Path) -> Iterator[Coordinator]:  # noqa: F811
+    c = Coordinator(tmp_path)
+    h.env = c.env(h.env)
+    yield c
+    c.stop()
+
+
+def test_nccl_across_nodes_keep_running_stop_and_restore(h: Harness, coord: Coordinator,  # noqa: F811
+                                                         tmp_path: Path) -> None:
+    script = workload("nccl_dp")
+    args = lingering(tmp_path, 60)
+    port = str(free_port())
+    for n in (0, 1):
+        h.cli_json("run", "--detach", "--name", "nd", "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2",
+                   "--master-port", port, "--run-id", f"nd-{port}", "--net", "job", "--coordinator", coord.url,
+                   str(script), *args)
+    h.wait_step(NODES[0], 5)
+    keep = coord.snapshot("nd")
+    assert keep["state"] == "verified", keep.get("error")
+    assert h.state(NODES[0]) == h.state(NODES[1]) == "running"
+    h.wait_step(NODES[0], 15)
+    stop = coord.snapshot("nd", stop=True)
+    assert stop["state"] == "verified", stop.get("error")
+    assert h.wait_end(NODES[0]) == 75 and h.wait_end(NODES[1]) == 75
+    # one cut over both nodes: every member of the world communicator, on either node, at the same count
+    comms = [c for n in stop["nodes"] for r in h.cli_json("show", n["image"]["ref"])["nodes"][0]["nccl"]["ranks"]
+             for c in r["comms"]]
+    assert len(comms) == 4 and len({c["ident"] for c in comms}) == 1 and len({c["seq"] for c in comms}) == 1
+    # a node that cannot restore stops every node before anything starts: node 1's image of the keep-running
+    # snapshot damaged, both restores of it fail, node 0's naming node 1 and why; nothing runs
+    damaged = Path(coord.detail(keep["id"])["nodes"][1]["image"]["store"]) / "snapshots"
+    victim = next(p for p in sorted((damaged / keep["nodes"][1]["image"]["ref"]).rglob("*.img")) if p.stat().st_size)
+    victim.write_bytes(b"\0" + victim.read_bytes()[1:])
+    with ThreadPoolExecutor(2) as pool:
+        refused = list(pool.map(lambda n: h.cli("restore", "--detach", "--json", "--node-rank", str(n),
+                                                "--coordinator", coord.url, keep["id"], check=False), (0, 1)))
+    errors = [json.loads(r.stdout) for r in refused]
+    assert [r.returncode for r in refused] == [1, 1] and errors[1]["error"] == "store_corrupt", errors
+    assert errors[0]["error"] == "not_eligible" and "node 1" in errors[0]["why"], errors[0]
+    assert h.state(NODES[0]) == h.state(NODES[1]) == "suspended"
+
+    with ThreadPoolExecutor(2) as pool:  # each node's restore waits at the barrier for the other's
+        restored = list(pool.map(lambda n: h.cli_json("restore", "--detach", "--node-rank", str(n), "--coordinator",
+                                                      coord.url, stop["id"]), (1, 0)))
+    assert [r["job"] for r in restored] == [NODES[1], NODES[0]]
+    assert all("rebuild" in r["phases"] for r in restored), [r["phases"] for r in restored]
+    (tmp_path / "linger").touch()
+    assert h.wait_end(NODES[0]) == 0 and h.wait_end(NODES[1]) == 0
+    ref = reference(script, args_for(tmp_path, 60, 0), 4)
+    for r in range(4):
+        got = h.losses(NODES[r // 2], r)
+        assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(
+            next((i for i, (a, b) in enumerate(zip(got, ref[r], strict=False)) if a != b), min(len(got), len(ref[r]))))
