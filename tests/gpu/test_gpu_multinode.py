@@ -22,7 +22,7 @@ import pytest
 from tests.gpu.test_gpu_cycle import WORKLOAD, gpu_count
 from tests.jobs.coordinated import Coordinator
 from tests.jobs.harness import reference
-from tests.jobs.test_multinode import UNDERLAY, HostHarness, hosts  # noqa: F401 - the fixture
+from tests.jobs.test_multinode import UNDERLAY, HostHarness, hosts, restore_pair  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")]
 
@@ -58,8 +58,7 @@ def test_two_gpu_nodes_nccl_over_job_network_restored_swapped(
             phases = ha.cli_json("show", n["image"]["ref"])["phases"]
             assert {"quiesce", "cuda-checkpoint", "dump"} <= set(phases), phases
         # node 0's image on host B and GPU 1, node 1's on host A and GPU 0
-        hb.cli_json("restore", "--detach", "--net-peers", hb.peer, "--gpu-map", "1,0", "--node-rank", "0", stop["id"])
-        ha.cli_json("restore", "--detach", "--net-peers", ha.peer, "--gpu-map", "1,0", "--node-rank", "1", stop["id"])
+        restore_pair(stop["id"], hb, ha, "--gpu-map", "1,0")
         assert ha.wait_end("gmn.node0", 300) == 0 and ha.wait_end("gmn.node1", 300) == 0
         ref = reference(WORKLOAD, ARGS, nproc=2)
         for r in range(2):

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,9 @@ class HostHarness(Harness):
     def coordinator(self, *args: str) -> Any:
         return json.loads(self.cli("coordinator", *args, "--json").stdout)
 
-    def restore_here(self, sid: str, node: int) -> dict[str, Any]:
+    def restore_here(self, sid: str, node: int, *extra: str) -> dict[str, Any]:
         out: dict[str, Any] = self.cli_json("restore", "--detach", "--net-peers", self.peer, "--node-rank", str(node),
-                                            sid)
+                                            *extra, sid)
         return out
 
 
@@ -110,6 +111,12 @@ def assert_identical(h: Harness, ref: dict[int, list[str]]) -> None:
             next((i for i, (x, y) in enumerate(zip(got, ref[r], strict=False)) if x != y), min(len(got), len(ref[r]))))
 
 
+def restore_pair(sid: str, node0_on: HostHarness, node1_on: HostHarness, *extra: str) -> None:
+    """Both nodes' restores at once: each waits at the coordinator's barrier for the other."""
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda a: a[0].restore_here(sid, a[1], *extra), ((node0_on, 0), (node1_on, 1))))
+
+
 def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHarness, HostHarness],
                                                            tmp_path: Path) -> None:
     ha, hb = hosts
@@ -149,16 +156,14 @@ def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHa
         assert not {net.bridge, net.vxlan} & {x["ifname"] for x in Host(ha.ns_pid).links()}
 
         # node 0's image on host B, node 1's on host A; the restored agents register with the coordinator again
-        hb.restore_here(stop["id"], 0)
-        ha.restore_here(stop["id"], 1)
+        restore_pair(stop["id"], hb, ha)
         assert ha.coordinator("job", "mn")["state"] in ("running", "lost", "incomplete")
         assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
         ref = reference(workload("ddp_basic"), ARGS, nproc=4)
         assert_identical(ha, ref)
 
         # the older, keep-running snapshot, restored after the job ended (back on their own hosts this time)
-        ha.restore_here(keep["snapshot"], 0)
-        hb.restore_here(keep["snapshot"], 1)
+        restore_pair(keep["snapshot"], ha, hb)
         assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
         assert_identical(ha, ref)
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,9 @@ class Job:
         self.h.wait_step(NODES[0], 5)  # rank 0's log; rank 1 steps with it
 
     def restore(self, sid: str) -> None:
-        for n in (0, 1):
-            self.h.cli_json("restore", "--detach", "--node-rank", str(n), "--coordinator", self.coord.url, sid,
-                            env=self.env)
+        with ThreadPoolExecutor(2) as pool:  # each node's restore waits at the coordinator's barrier for the other
+            list(pool.map(lambda n: self.h.cli_json("restore", "--detach", "--node-rank", str(n), "--coordinator",
+                                                    self.coord.url, sid, env=self.env), (0, 1)))
 
     def agent_pid(self, node: int) -> int:
         return self.h.job(NODES[node]).read()[1].agent_pid
