@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep.coordinator.client import CoordinatorClient
+from cryosleep.errors import CryosleepError
 
 FAST = ["--poll-wait", "2", "--lost-after", "3", "--rollback-timeout", "60"]
 
@@ -93,6 +94,13 @@ class Coordinator:
     def job(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = self._ask(lambda c: c.job(name))
         return out
+
+    def job_state(self, name: str) -> str:
+        """The job's state at the coordinator; "" while it does not know the job (no agent registered yet)."""
+        try:
+            return str(self.job(name)["state"])
+        except CryosleepError:
+            return ""
 
     def valid(self, job: str) -> list[str]:
         return [s["id"] for s in self._ask(lambda c: c.snapshots(job, valid_only=True))]

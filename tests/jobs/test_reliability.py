@@ -136,7 +136,7 @@ def test_coordinator_killed_at_each_phase(coord: Coordinator, cryo_home: Path) -
             assert row["state"] == "aborted" and not row["valid"], (mode, op, row["state"])
             assert row["id"] not in coord.valid(JOB)
             assert any(e["kind"] == "recover" for e in row["events"])
-            wait_for(lambda: coord.job(JOB)["state"] == "running", 30, "every node of the job alive")
+            wait_for(lambda: coord.job_state(JOB) == "running", 30, "every node of the job alive")
             assert h.state(NODES[0]) == h.state(NODES[1]) == "running"
             again = coord.snapshot(JOB)  # the rollback left the job consistent: it snapshots again
             assert again["state"] == "verified", again.get("error")
@@ -191,6 +191,32 @@ def test_node_fault_during_a_snapshot(coord: Coordinator, cryo_home: Path, fault
             assert any(e["kind"] == "ended" for e in row["events"])
             assert "ended by the coordinator" in h.job(NODES[0]).read()[1].detail
         job.restore(base["id"])
+        job.assert_identical()
+    finally:
+        job.kill_everything()
+
+
+def test_a_snapshot_its_coordinator_never_finishes_is_abandoned_after_its_deadline(coord: Coordinator,
+                                                                                   cryo_home: Path,
+                                                                                   tmp_path: Path) -> None:
+    """The coordinator dies with its catalog (a fresh one takes its address): the nodes are still in a snapshot
+    nobody will finish. Before the cut that holds nothing once its deadline (and the HOLD grace) passed: the
+    next snapshot rolls it back on each node and goes ahead."""
+    h = Harness(cryo_home)
+    job = Job(h, coord)
+    job.start()
+    try:
+        job.stall("hold")
+        sid = coord.snapshot(JOB, wait=False, timeout_s=3)["id"]
+        wait_for(lambda: job.stalled("hold"), 60, "node 1 stalled at hold")
+        coord.kill()
+        (tmp_path / "catalog.db").unlink()  # and everything it knew
+        coord.start()
+        wait_for(lambda: coord.job_state(JOB) == "running", 30, "the agents registered with the new coordinator")
+        busy = coord.snapshot(JOB)
+        assert busy["state"] == "failed" and sid in busy["error"]["why"], busy.get("error")
+        wait_for(lambda: coord.snapshot(JOB)["state"] == "verified", 30, "a snapshot once the old one is stale")
+        assert "abandoned" in h.job(NODES[0]).agent_log.read_text()
         job.assert_identical()
     finally:
         job.kill_everything()

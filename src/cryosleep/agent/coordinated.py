@@ -49,7 +49,7 @@ from cryosleep.coordinator.protocol import (
     targets_from_json,
     view_to_json,
 )
-from cryosleep.cut.driver import Driver
+from cryosleep.cut.driver import HOLD_GRACE_S, Driver
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotEligible, NotFound
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
@@ -86,6 +86,8 @@ class CoordinatedNode:
         self.done: dict[str, str] = {}  # snapshot -> how it ended here ("verified", "aborted", "stopped")
         self.images: dict[str, str] = {}  # snapshot -> this node's image in the local store
         self.after_abort_at_cut = False
+        self.holds_lock = False  # the agent's snapshot lock is this backend's (from prepare to the end here)
+        self.at_cut = False  # this node's ranks were quiesced (or captured) in the snapshot in progress
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
@@ -168,10 +170,27 @@ class CoordinatedNode:
         self.sid = None
         self.agent.arm(None)
         self.after_abort_at_cut = False
+        self.at_cut = False
         self.agent.state.snapshot_in_progress = None
         self.agent.save_state()
-        if self.agent.snap_lock.locked():
+        if self.holds_lock:
+            self.holds_lock = False
             self.agent.snap_lock.release()
+
+    def _abandon_stale(self) -> None:
+        """A snapshot this node is still in, whose coordinator never came back to finish it (its catalog lost):
+        once its deadline and the interceptors' HOLD grace have passed, nothing of it holds the job unless the
+        cut was reached; it is rolled back here so that the job can be snapshotted again."""
+        cap = self.cap
+        if cap is None or self.at_cut or time.monotonic() < cap.deadline + HOLD_GRACE_S:
+            raise Busy(f"node {self.agent.spec.node_rank} is still in snapshot {self.sid}",
+                       "it was neither finished nor aborted" + (" and its ranks are at the cut" if self.at_cut else ""),
+                       "the coordinator aborts it; try again" if not self.at_cut else
+                       "end the job and restore its last verified snapshot")
+        self.log(f"snapshot {self.sid} was abandoned by its coordinator: rolled back here")
+        self._release_net()
+        cap.rollback(CaptureFailed(f"snapshot {self.sid} was abandoned", "", ""))
+        self._end("abandoned")
 
     # ---- the operations ----------------------------------------------------------------------------------
 
@@ -180,8 +199,7 @@ class CoordinatedNode:
 
     def _prepare(self, cmd: Command) -> dict[str, Any]:
         if self.sid is not None and self.sid != cmd.snapshot:
-            raise Busy(f"node {self.agent.spec.node_rank} is still in snapshot {self.sid}",
-                       "it was neither finished nor aborted", "the coordinator aborts it; try again")
+            self._abandon_stale()
         if self.sid == cmd.snapshot:
             raise CaptureFailed(f"prepare of {cmd.snapshot} arrived twice", "", "a coordinator bug: see its log")
         agent = self.agent
@@ -189,6 +207,7 @@ class CoordinatedNode:
             raise Busy(f"a snapshot of job {agent.spec.name!r} is already in progress on node "
                        f"{agent.spec.node_rank}", f"started as {agent.state.snapshot_in_progress or 'another'}",
                        "wait for it to finish, then try again")
+        self.holds_lock = True
         stop = cmd.args.get("mode") == "stop"
         self.sid = cmd.snapshot
         try:
@@ -253,6 +272,7 @@ class CoordinatedNode:
         cap = self._current(cmd)
         if self.nccl is not None:
             self._gen(self.nccl, cmd)
+        self.at_cut = True
         cap.quiesce()
         return {"records": cap.nccl_info.get("ranks", [])}
 
@@ -320,6 +340,7 @@ class CoordinatedNode:
             nccl.run()
         if self.cap is not None and cmd.snapshot == self.sid and not self.cap.stop:
             self.agent.arm(None)  # the job runs again: it survives its agent
+            self.at_cut = False
         if self.after_abort_at_cut:  # the rollback's rebuild: the snapshot is over here
             self._end("aborted")
         return {}
