@@ -10,6 +10,7 @@ per-step digests of all four ranks must equal an uninterrupted 4-rank run's bit 
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,23 +59,38 @@ def test_nccl_across_nodes_keep_running_stop_and_restore(h: Harness, coord: Coor
     # snapshot damaged, both restores of it fail, node 0's naming node 1 and why; nothing runs
     damaged = Path(coord.detail(keep["id"])["nodes"][1]["image"]["store"]) / "snapshots"
     victim = next(p for p in sorted((damaged / keep["nodes"][1]["image"]["ref"]).rglob("*.img")) if p.stat().st_size)
-    victim.write_bytes(b"\0" + victim.read_bytes()[1:])
-    with ThreadPoolExecutor(2) as pool:
-        refused = list(pool.map(lambda n: h.cli("restore", "--detach", "--json", "--node-rank", str(n),
-                                                "--coordinator", coord.url, keep["id"], check=False), (0, 1)))
+    good = victim.read_bytes()
+    victim.write_bytes(bytes([good[0] ^ 1]) + good[1:])
+    refused = restore_both(h, coord, keep["id"], check=False)
     errors = [json.loads(r.stdout) for r in refused]
     assert [r.returncode for r in refused] == [1, 1] and errors[1]["error"] == "store_corrupt", errors
     assert errors[0]["error"] == "not_eligible" and "node 1" in errors[0]["why"], errors[0]
     assert h.state(NODES[0]) == h.state(NODES[1]) == "suspended"
-
-    with ThreadPoolExecutor(2) as pool:  # each node's restore waits at the barrier for the other's
-        restored = list(pool.map(lambda n: h.cli_json("restore", "--detach", "--node-rank", str(n), "--coordinator",
-                                                      coord.url, stop["id"]), (1, 0)))
-    assert [r["job"] for r in restored] == [NODES[1], NODES[0]]
+    # repaired, the same snapshot restores at once (node 0's failure at the barrier did not stand in the way)
+    victim.write_bytes(good)
+    restored = [json.loads(r.stdout) for r in restore_both(h, coord, keep["id"])]
     assert all("rebuild" in r["phases"] for r in restored), [r["phases"] for r in restored]
     (tmp_path / "linger").touch()
     assert h.wait_end(NODES[0]) == 0 and h.wait_end(NODES[1]) == 0
     ref = reference(script, args_for(tmp_path, 60, 0), 4)
+    assert_identical(h, ref)
+    # and the stop snapshot, the nodes' restores started in the other order
+    restore_both(h, coord, stop["id"], order=(1, 0))
+    assert h.wait_end(NODES[0]) == 0 and h.wait_end(NODES[1]) == 0
+    assert_identical(h, ref)
+
+
+def restore_both(h: Harness, coord: Coordinator, sid: str, order: tuple[int, int] = (0, 1),  # noqa: F811
+                 check: bool = True) -> list[subprocess.CompletedProcess[str]]:
+    """Both nodes' restores at once: each waits at the coordinator's barrier for the other (results by node)."""
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(order, pool.map(lambda n: h.cli("restore", "--detach", "--json", "--node-rank", str(n),
+                                                         "--coordinator", coord.url, sid, check=check), order),
+                        strict=True))
+    return [done[0], done[1]]
+
+
+def assert_identical(h: Harness, ref: dict[int, list[str]]) -> None:  # noqa: F811
     for r in range(4):
         got = h.losses(NODES[r // 2], r)
         assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(

@@ -273,21 +273,22 @@ class Agent:
         """Bring the job back from a snapshot into a fresh sandbox. ``rendezvous``: one node of a multi-node
         restore: nothing starts unless every node passed its checks, and ids cross nodes at the rebuild."""
         become_subreaper()
-        passed = False
+        at = "checks"  # then "barrier" (a failure there withdraws this node itself), then "passed"
 
         def before_criu(manifest: Any) -> None:
-            nonlocal passed
+            nonlocal at
             self.lock_fd = self.job.take_lock()
             if rendezvous is not None:
+                at = "barrier"
                 rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
-            passed = True
+            at = "passed"
 
         try:
             restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
                                                progress=progress, before_criu=before_criu, gpu_map=gpu_map,
                                                net_peers=self.net_peers, relay=rendezvous)
         except CryosleepError as e:
-            if rendezvous is not None and not passed:  # the other nodes must not start without this one
+            if rendezvous is not None and at == "checks":  # the other nodes must not start without this one
                 rendezvous.refuse(list(e.details.get("problems") or []) or [f"{e.what}: {e.why}"])
             raise
         self.spec = restored.spec
@@ -520,11 +521,14 @@ class Agent:
         assert self.coordinator is not None
         job = coordinated.job_name(self.spec.name, self.spec.nnodes, self.spec.node_rank)
         send({"event": "phase", "phase": "coordinator", "status": "start", "seconds": None})
+        start = time.monotonic()
         client = CoordinatorClient(*self.coordinator)
         try:
             row = client.snapshot(job, stop=stop, timeout_s=float(req.get("timeout") or 600.0))
         finally:
             client.close()
+        send({"event": "phase", "phase": "coordinator", "status": "done" if row.get("state") == "verified" else
+              "failed", "seconds": time.monotonic() - start})
         if row.get("state") != "verified":
             err = row.get("error") or {}
             raise CaptureFailed(str(err.get("what") or f"the coordinated snapshot of job {job!r} failed"),

@@ -60,7 +60,8 @@ if TYPE_CHECKING:
 
 STALL_FILE = "fault-stall"
 TARGETS_WAIT_S = 1.0  # how long a targets round waits for the ranks to answer before reporting what it sees
-READY_TTL_S = 600.0  # a node's "ready" for a restore counts this long (an older one is a failed attempt's)
+READY_FRESH_S = 30.0  # a node's entry at a restore's barrier counts this long (a waiting node re-posts it)
+READY_REPOST_S = 10.0
 RESTORE_GEN_MARGIN = 16  # the restore's REBUILD generation: this far above any generation the images hold
 
 
@@ -471,6 +472,7 @@ class RestoreRendezvous:
         self.timeout = timeout
         self.log = log or (lambda _m: None)
         self.token = secrets.token_hex(8)
+        self.started = time.monotonic()
         self.attempt = ""
         self.gen = 0
 
@@ -486,14 +488,19 @@ class RestoreRendezvous:
             self.log(f"could not tell the other nodes that this one cannot restore: {e.what}")
 
     def barrier(self, gen: int) -> None:
-        """This node is ready (its captured NCCL generation ``gen``); returns once every node is, or raises."""
-        self.client.rendezvous(self.sid, self._entry(True, [], gen))
+        """This node is ready (its captured NCCL generation ``gen``); returns once every node is, or raises.
+
+        What counts: entries posted within READY_FRESH_S (a waiting node re-posts its own every READY_REPOST_S, so
+        a node that went away drops out), and a failure only if posted after this node's restore began (one
+        left by an earlier attempt does not stop a retry)."""
         end = time.monotonic() + self.timeout
         while True:
-            items = self.client.rendezvous(self.sid, prefix="ready/", min_keys=self.nnodes,
-                                           wait_s=min(10.0, max(0.0, end - time.monotonic())))
-            fresh = {k: v["value"] for k, v in items.items() if v["age_s"] < READY_TTL_S and v["value"].get("ok")
-                     is not None}
+            items = self.client.rendezvous(self.sid, self._entry(True, [], gen), prefix="ready/",
+                                           min_keys=self.nnodes,
+                                           wait_s=min(READY_REPOST_S, max(0.0, end - time.monotonic())))
+            since = time.monotonic() - self.started  # after the read: an entry posted since we began is younger
+            fresh = {k: v["value"] for k, v in items.items() if v["age_s"] < READY_FRESH_S and
+                     v["value"].get("ok") is not None and (v["value"]["ok"] or v["age_s"] < since)}
             bad = {k: v for k, v in fresh.items() if not v["ok"]}
             if bad:
                 self._withdraw()
@@ -502,12 +509,13 @@ class RestoreRendezvous:
                                             for k, v in sorted(bad.items())),
                                   "fix what is listed on that node and run the restore of every node again; nothing "
                                   "was started here")
-            if len(fresh) >= self.nnodes:
+            if len(fresh) >= self.nnodes and len(bad) == 0:
                 self.attempt = hashlib.sha256(" ".join(sorted(v["token"] for v in fresh.values())).encode()
                                               ).hexdigest()[:16]
                 self.gen = max(int(v.get("gen") or 0) for v in fresh.values()) + RESTORE_GEN_MARGIN
                 self.log(f"every node of {self.sid} is ready (attempt {self.attempt})")
                 return
+            time.sleep(0.2)  # the keys are there but not every node is ready: do not spin on the board
             if time.monotonic() > end:
                 self._withdraw()
                 missing = sorted(set(range(self.nnodes)) - {int(k.split("/")[1]) for k in fresh})
