@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from cryosleep.net import job_net
 from tests.conftest import require_criu
 from tests.jobs.harness import Harness, workload
 
@@ -45,6 +46,16 @@ class Sink:
 
 @pytest.fixture
 def sink() -> Iterator[Sink]:
+    yield from serve("127.0.0.1")
+
+
+@pytest.fixture
+def sink_any() -> Iterator[Sink]:
+    """The same, on every address of the host (reached from a job network through its gateway)."""
+    yield from serve("0.0.0.0")
+
+
+def serve(host: str) -> Iterator[Sink]:
     state: dict[str, Sink] = {}
 
     class Handler(BaseHTTPRequestHandler):
@@ -69,7 +80,7 @@ def sink() -> Iterator[Sink]:
         def handle_error(self, request: Any, client_address: Any) -> None:
             pass  # a reset connection is what the test makes happen
 
-    srv = Server(("127.0.0.1", 0), Handler)
+    srv = Server((host, 0), Handler)
     port = srv.server_address[1]
     state["sink"] = Sink(f"http://127.0.0.1:{port}/metrics", int(port))
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -183,3 +194,26 @@ def test_outbound_reset_none_carries_the_connection_as_criu_restores_it(h: Harne
     for r in (0, 1):  # the server still held the connection: CRIU's copy goes on over it, as before
         assert not reconnects(h, "metricsnone", r) and len(sink.ports(r)) == 1 and sink.steps(r) == set(range(STEPS))
     assert_finished(h, "metricsnone")
+
+
+def test_a_job_network_sandbox_reaches_the_host_through_its_gateway_and_reconnects(h: Harness,
+                                                                                    sink_any: Sink) -> None:
+    """`--net job`: the sandbox's only way out is its job bridge's gateway (subnet + 1, this host); the
+    connection to a server there is outside the job, so a restored copy finds it reset and reconnects."""
+    gateway = job_net("outbound-gw", 0, 1).gateway
+    url = f"http://{gateway}:{sink_any.port}/metrics"
+    h.run("metricsgw", workload("http_metrics"), ["--url", url, "--steps", str(STEPS), "--step-sleep", "0.1"],
+          flags=("--net", "job", "--run-id", "outbound-gw"))
+    h.wait_step("metricsgw", 8)
+    s = h.snapshot("metricsgw", "--stop")
+    assert h.wait_end("metricsgw", timeout=120) == 75
+    out = h.cli_json("show", s["snapshot"])["nodes"][0]["outbound"]
+    assert sorted(c["remote"] for c in out["reset"]) == [f"{gateway}:{sink_any.port}"] * 2, out
+    before = {r: sink_any.ports(r) for r in (0, 1)}
+    h.restore(s["snapshot"])
+    assert h.wait_end("metricsgw", timeout=180) == 0
+    for r in (0, 1):
+        assert reconnects(h, "metricsgw", r), f"rank {r} never reconnected"
+        assert sink_any.ports(r) - before[r], f"rank {r} sent nothing on a new connection after the restore"
+    assert_finished(h, "metricsgw")
+

@@ -4,6 +4,7 @@ network namespaces (as root), with TCP between sandboxes as the proof."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -210,6 +211,41 @@ def test_vxlan_overlay_links_sandboxes_on_two_hosts(ns: Namespaces) -> None:
     net_sandbox.release(n0.to_json(), host=A)
     assert not {n0.bridge, n0.vxlan} & links(host_a)
     assert n1.bridge in links(host_b)  # the other host's part is the other agent's
+
+
+def test_the_gateway_takes_each_sandbox_out_through_its_own_host(ns: Namespaces) -> None:
+    """Each host's job bridge is the gateway (subnet + 1, the same MAC everywhere): a sandbox reaches a server
+    outside the job network, masqueraded behind its own host's address (the outside has no route back to the
+    job subnet), and nothing about the gateway crosses the overlay."""
+    host_a, host_b, outside = ns.new(), ns.new(), ns.new()
+    A, B, W = Host(host_a), Host(host_b), Host(outside)
+    A.ip("link", "add", "under0", "type", "veth", "peer", "name", "under1", "netns", str(host_b), what="underlay")
+    A.ip("addr", "add", "10.250.0.1/30", "dev", "under0", what="underlay")
+    A.ip("link", "set", "under0", "up", what="underlay")
+    B.ip("addr", "add", "10.250.0.2/30", "dev", "under1", what="underlay")
+    B.ip("link", "set", "under1", "up", what="underlay")
+    for h, i in ((A, 0), (B, 1)):  # each host's own link to the outside world
+        h.ip("link", "add", f"wan{i}", "type", "veth", "peer", "name", f"lan{i}", "netns", str(outside), what="wan")
+        h.ip("addr", "add", f"10.251.{i}.1/30", "dev", f"wan{i}", what="wan")
+        h.ip("link", "set", f"wan{i}", "up", what="wan")
+        W.ip("addr", "add", f"10.251.{i}.2/30", "dev", f"lan{i}", what="wan")
+        W.ip("link", "set", f"lan{i}", "up", what="wan")
+        h.ip("route", "add", "default", "via", f"10.251.{i}.2", what="wan")
+    n0, n1 = job_net("t-gw", 0, 2), job_net("t-gw", 1, 2)
+    s0, s1 = ns.new(), ns.new()
+    net_sandbox.attach(n0.to_json(), s0, ["10.250.0.2"], host=A)
+    net_sandbox.attach(n1.to_json(), s1, ["10.250.0.1"], host=B)
+    assert n0.gateway == n1.gateway and n0.gateway.endswith(".1") and n0.gateway_mac == n1.gateway_mac
+    assert A.link(n0.bridge)["address"] == B.link(n1.bridge)["address"] == n0.gateway_mac  # type: ignore[index]
+    assert talk(outside, "10.251.0.2", s0) == ("HELLO", "10.251.0.1")  # out through host A
+    assert talk(outside, "10.251.0.2", s1) == ("HELLO", "10.251.1.1")  # out through host B, not A
+    assert talk(s1, n1.address, s0) == ("HELLO", n0.address)  # the job's own traffic is not masqueraded
+    # host A's sandbox asked only host A for the gateway: host B's stack never heard from it (an ARP request
+    # for the gateway crossing the overlay would have made host B learn the asker's address)
+    neigh = json.loads(B.ip("-j", "neigh", "show", "dev", n1.bridge, what="neighbours") or "[]")
+    assert n0.address not in {e.get("dst") for e in neigh}, neigh
+    net_sandbox.release(n0.to_json(), host=A, own_end=A.sandbox_veths(s0)[0][1])
+    assert "cryosleep_" not in A.nft("list", "tables", what="tables")
 
 
 def test_a_failed_restore_is_undone(ns: Namespaces) -> None:

@@ -126,6 +126,10 @@ def test_classify_the_rules_in_order() -> None:
     assert reasons[5] == "the peer is outside the job and matches --outbound-reset :443"
     assert reasons[4] == "kept by --outbound-keep 10.0.0.7"
     assert reasons[2] == "the peer is outside the job but not listed in --outbound-reset"
+    # the job network's gateway (subnet + 1) is the host the sandbox runs on: outside the job
+    via_gateway = conn("10.235.1.2:40005", "10.235.1.1:9090", 7)
+    assert [(v.reset, v.outside) for v in classify([via_gateway], Policy(), own_ns=True, job_nets=nets)] == [
+        (True, True)]
 
 
 # -- real sockets, real processes --------------------------------------------------------------------

@@ -32,7 +32,8 @@ Which connections (``classify``, pure): a connection of the job is left as CRIU 
 
     1. its peer is a socket of the job itself (both ends held by processes of the sandbox),
     2. the sandbox has its own network namespace (``--net job``) and the peer is a loopback address,
-    3. the peer is on the job network (another node of the job: the job's subnet),
+    3. the peer is on the job network (another node of the job: the job's subnet, but for its gateway at
+       subnet + 1, which is the host the sandbox runs on: a peer outside the job),
     4. the peer matches ``--outbound-keep``,
     5. ``--outbound-reset`` lists destinations and the peer matches none of them (``none``: nothing is reset);
 
@@ -307,7 +308,7 @@ def classify(conns: Sequence[Conn], policy: Policy, *, own_ns: bool, job_nets: S
             out.append(Verdict(c, False, "the peer is a process of the job", outside=False))
         elif own_ns and peer.addr.is_loopback:
             out.append(Verdict(c, False, "loopback inside the job's own network namespace", outside=False))
-        elif net := next((n for n in job_nets if peer.addr in n), None):
+        elif net := next((n for n in job_nets if peer.addr in n and peer.addr != n.network_address + 1), None):
             out.append(Verdict(c, False, f"the peer is on the job network {net}", outside=False))
         elif d := next((d for d in policy.keep if d.matches(peer)), None):
             out.append(Verdict(c, False, f"kept by --outbound-keep {d}"))
@@ -321,7 +322,7 @@ def classify(conns: Sequence[Conn], policy: Policy, *, own_ns: bool, job_nets: S
 
 
 def job_nets(spec_net: dict[str, Any] | None) -> list[Network]:
-    """The job network's subnet (``JobSpec.net``), whose addresses are the job's other nodes."""
+    """The job network's subnet (``JobSpec.net``), whose addresses but the gateway's are the job's other nodes."""
     subnet = (spec_net or {}).get("subnet")
     return [ipaddress.ip_network(subnet, strict=False)] if subnet else []
 

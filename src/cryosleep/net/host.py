@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cryosleep.capture import criu_install
 from cryosleep.capture.criu_install import iproute_argv
 from cryosleep.errors import CryosleepError, IprouteUnavailable
 from cryosleep.net.plan import VXLAN_PORT, JobNet
@@ -62,9 +63,13 @@ class Host:
             program = iproute_argv(tool)
         except IprouteUnavailable as e:
             raise NetError(what, f"{e.what}: {e.why}", e.hint) from None
-        cmd = [*self._prefix(ns_pid if ns_pid is not None else self.ns_pid), *program, *args]
+        return self._exec([*program, *args], what=what, ns_pid=ns_pid, ok_if=ok_if, hint=hint)
+
+    def _exec(self, argv: Sequence[str], *, what: str, ns_pid: int | None = None, ok_if: Sequence[str] = (),
+              hint: str = HINT, stdin: str | None = None) -> str:
+        cmd = [*self._prefix(ns_pid if ns_pid is not None else self.ns_pid), *argv]
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+            res = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=30, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise NetError(what, f"{' '.join(cmd)}: {e}", hint) from None
         if res.returncode != 0:
@@ -89,13 +94,58 @@ class Host:
 
     def ensure_bridge(self, net: JobNet) -> bool:
         """Create the job's bridge unless it exists (another node of the job may share this host); bring
-        it up. Returns whether it was created here."""
+        it up, as the job's gateway (``ensure_gateway``). Returns whether it was created here."""
         created = self.link(net.bridge) is None
         if created:
-            self.ip("link", "add", net.bridge, "type", "bridge", what=f"cannot create the job bridge {net.bridge}",
-                    ok_if=("File exists",))
+            self.ip("link", "add", net.bridge, "address", net.gateway_mac, "type", "bridge",
+                    what=f"cannot create the job bridge {net.bridge}", ok_if=("File exists",))
         self.ip("link", "set", net.bridge, "mtu", str(net.mtu), "up", what=f"cannot bring up the bridge {net.bridge}")
+        self.ensure_gateway(net)
         return created
+
+    # -- the gateway ----------------------------------------------------------------------------------
+
+    def nft(self, *args: str, what: str, ok_if: Sequence[str] = (), stdin: str | None = None) -> str:
+        """``nft`` (the one that comes with CRIU) in this host's network namespace."""
+        try:
+            program = criu_install.locate().nft_command()
+        except CryosleepError as e:
+            raise NetError(what, f"{e.what}: {e.why}", e.hint) from None
+        return self._exec([*program, *args], what=what, ok_if=ok_if, stdin=stdin)
+
+    def ensure_gateway(self, net: JobNet) -> None:
+        """The bridge is the sandboxes' gateway out of the job network: the address subnet + 1 (the same on
+        every host, with the same MAC), IPv4 forwarding on, and the job's traffic to anywhere else masqueraded
+        behind this host's address (nftables tables ``cryosleep_<bridge>``). Nothing about the gateway crosses
+        the overlay (each host answers for it alone), so a sandbox, restored anywhere, always leaves through its
+        own host. Idempotent."""
+        self.ip("addr", "add", f"{net.gateway}/{net.prefixlen}", "dev", net.bridge,
+                what=f"cannot give the bridge {net.bridge} the job's gateway address {net.gateway}",
+                ok_if=("File exists", "already assigned"))
+        self._exec(["sh", "-c", 'test "$(cat /proc/sys/net/ipv4/ip_forward)" = 1 || '
+                    "echo 1 > /proc/sys/net/ipv4/ip_forward"], what="cannot turn on IPv4 forwarding")
+        table = gateway_table(net)
+        self.remove_gateway(net)
+        self.nft("-f", "-", what=f"cannot set up the job's gateway {net.gateway} (nftables table {table})", stdin=(
+            f"table ip {table} {{\n"
+            f"  chain postrouting {{ type nat hook postrouting priority srcnat; policy accept;\n"
+            f"    ip saddr {net.subnet} ip daddr != {net.subnet} masquerade; }}\n"
+            f"  chain forward {{ type filter hook forward priority filter; policy accept;\n"
+            f"    iifname \"{net.bridge}\" accept;\n"
+            f"    oifname \"{net.bridge}\" ct state established,related accept; }}\n"
+            f"}}\n"
+            f"table bridge {table} {{\n"
+            f"  chain forward {{ type filter hook forward priority filter; policy accept;\n"
+            f"    oifname \"{net.vxlan}\" arp daddr ip {net.gateway} drop; }}\n"
+            f"  chain output {{ type filter hook output priority filter; policy accept;\n"
+            f"    oifname \"{net.vxlan}\" ether saddr {net.gateway_mac} drop; }}\n"
+            f"}}\n"))
+
+    def remove_gateway(self, net: JobNet) -> None:
+        table = gateway_table(net)
+        for family in ("ip", "bridge"):
+            self.nft("delete", "table", family, table, what=f"cannot delete the nftables table {table}",
+                     ok_if=("No such file", "does not exist"))
 
     def bridge_ports(self, bridge: str) -> list[str]:
         return [str(x["ifname"]) for x in self.links() if x.get("master") == bridge]
@@ -108,6 +158,7 @@ class Host:
         self.ip("link", "del", net.vxlan, what=f"cannot delete {net.vxlan}", ok_if=("Cannot find device",))
         self.ip("link", "del", net.bridge, what=f"cannot delete the bridge {net.bridge}",
                 ok_if=("Cannot find device",))
+        self.remove_gateway(net)
         return True
 
     # -- a sandbox ------------------------------------------------------------------------------------
@@ -123,7 +174,8 @@ class Host:
                     what=f"cannot attach {host_end} to the bridge {net.bridge}")
             for args in (["addr", "add", net.cidr, "dev", net.ifname],
                          ["link", "set", net.ifname, "up"],
-                         ["link", "set", "lo", "up"]):
+                         ["link", "set", "lo", "up"],
+                         ["route", "add", "default", "via", net.gateway, "dev", net.ifname]):
                 self.run("ip", *args, what=f"cannot configure {net.ifname} in the sandbox {sandbox_pid}",
                          ns_pid=sandbox_pid)
         except NetError:
@@ -197,6 +249,11 @@ class Host:
         for p in sorted(have - want):
             self.run("bridge", "fdb", "del", ZERO_MAC, "dev", net.vxlan, "dst", p,
                      what=f"cannot remove the overlay peer {p} from {net.vxlan}", ok_if=("No such file",))
+
+
+def gateway_table(net: JobNet) -> str:
+    """The job's nftables tables on a host (families ip and bridge)."""
+    return f"cryosleep_{net.bridge}"
 
 
 def _same_netns(pid: int) -> bool:

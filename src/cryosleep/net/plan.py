@@ -53,6 +53,18 @@ class JobNet:
     def cidr(self) -> str:
         return f"{self.address}/{self.prefixlen}"
 
+    @property
+    def gateway(self) -> str:
+        """Every host's job bridge has this address (subnet + 1): the sandboxes' way out of the job network."""
+        return str(ipaddress.IPv4Network(self.subnet).network_address + 1)
+
+    @property
+    def gateway_mac(self) -> str:
+        """The bridge's MAC, the same on every host of the job, so that a sandbox restored on another host finds
+        its gateway at the address and MAC its image remembers."""
+        tag = self.bridge[3:11]
+        return "02:c5:" + ":".join(tag[i:i + 2] for i in range(0, 8, 2))
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
