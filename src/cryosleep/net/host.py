@@ -125,6 +125,9 @@ class Host:
         self._exec(["sh", "-c", 'test "$(cat /proc/sys/net/ipv4/ip_forward)" = 1 || '
                     "echo 1 > /proc/sys/net/ipv4/ip_forward"], what="cannot turn on IPv4 forwarding")
         table = gateway_table(net)
+        have = self.nft("list", "tables", what="cannot list the nftables tables")
+        if f"table ip {table}\n" in have and f"table bridge {table}\n" in have:
+            return  # another sandbox of the job on this host set it up: never a moment without it
         self.remove_gateway(net)
         self.nft("-f", "-", what=f"cannot set up the job's gateway {net.gateway} (nftables table {table})", stdin=(
             f"table ip {table} {{\n"
