@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +32,12 @@ REF_STEPS = 2000  # the losses are compared with an uninterrupted run's, step by
 STALL_S = 4
 JOB = "rel"
 NODES = (f"{JOB}.node0", f"{JOB}.node1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def uninterrupted() -> dict[int, list[str]]:
+    """The uninterrupted run's losses, computed once, before any job of this module loads the machine."""
+    return reference(workload("ddp_basic"), ["--steps", str(REF_STEPS)], nproc=2)
 
 
 @pytest.fixture
@@ -114,6 +121,20 @@ def faulted_snapshot(coord: Coordinator, job: Job, mode: str, op: str, inject: C
     return coord.detail(sid)
 
 
+def snapshot_again(coord: Coordinator) -> dict[str, Any]:
+    """A keep-running snapshot right after a rolled-back one. CRIU may refuse a TCP socket whose send queue
+    holds a partly acknowledged segment (libsoccr "recv failed (N, want M)", CRIU issue 622): the peer was
+    frozen a moment ago and TCP has not caught up. That snapshot fails and is rolled back like any other (the
+    job goes on); the next one, a moment later, goes through. Any other failure fails the test."""
+    for _ in range(3):
+        row = coord.snapshot(JOB)
+        if row["state"] == "verified":
+            return row
+        assert "libsoccr_save() failed" in row["error"]["why"], row["error"]
+        time.sleep(1)
+    raise AssertionError(f"three snapshots in a row failed: {row['error']}")
+
+
 def restart(coord: Coordinator) -> None:
     coord.kill()
     coord.start()
@@ -138,8 +159,7 @@ def test_coordinator_killed_at_each_phase(coord: Coordinator, cryo_home: Path) -
             assert any(e["kind"] == "recover" for e in row["events"])
             wait_for(lambda: coord.job_state(JOB) == "running", 30, "every node of the job alive")
             assert h.state(NODES[0]) == h.state(NODES[1]) == "running"
-            again = coord.snapshot(JOB)  # the rollback left the job consistent: it snapshots again
-            assert again["state"] == "verified", again.get("error")
+            snapshot_again(coord)  # the rollback left the job consistent: it snapshots again
             # no node image is left of the aborted snapshot: the store holds exactly the valid ones' images
             images = {n["image"]["ref"] for sid in coord.valid(JOB) for n in coord.detail(sid)["nodes"]}
             assert {s["snapshot"] for s in h.ls()} == images, (mode, op)

@@ -2,7 +2,7 @@
 by a VXLAN overlay across hosts (docs/network.md).
 
     plan      the address plan (pure): subnet, node addresses, bridge/VXLAN names, VNI, from the run id
-    host      the host side (iproute2): bridge, each sandbox's veth, the overlay, teardown
+    host      the host side (iproute2, nft): bridge and gateway, each sandbox's veth, the overlay, teardown
 """
 
 from cryosleep.net.host import Host, NetError

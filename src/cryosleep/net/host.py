@@ -2,13 +2,15 @@
 
 Everything is done with iproute2 (``ip``, ``bridge``), which CRIU itself needs on the machine too (it saves
 and restores a namespace's addresses and routes with ``ip``): the system's when it is on PATH, else the copy
-in Cryosleep's private CRIU prefix (``criu_install.iproute_argv``; the GPU machines have no iproute2).
+in Cryosleep's private CRIU prefix (``criu_install.iproute_argv``; the GPU machines have no iproute2); and
+the gateway's rules with the ``nft`` that comes with CRIU.
 
 A :class:`Host` acts on the network namespace it is given (``ns_pid``: any process in it) or on the
 caller's own: tests use network namespaces as simulated hosts, and a real agent simply runs in its host's
 namespace.
 
-    bridge    one per job per host (``JobNet.bridge``), no address: it only switches the job's frames
+    bridge    one per job per host (``JobNet.bridge``): switches the job's frames, and is the sandboxes'
+              gateway out of the job network (subnet + 1, nftables masquerade; nft from the CRIU prefix)
     veth      one per sandbox: the host end (``csv...``) is a port of the bridge, the other end is moved into
               the sandbox's namespace by its init's PID and named ``eth0`` there, with the node's job address
     vxlan     one per job per host when the job spans hosts (``JobNet.vxlan``, the job's VNI, UDP 4789), a
