@@ -293,12 +293,21 @@ def restore(staged: list[StagedFile], files_dir: Path) -> None:
             "restore a later snapshot, or put those files back",
         )
     for s in staged:
-        Path(s.path).parent.mkdir(parents=True, exist_ok=True)
-        if s.staged is None:
-            os.truncate(s.path, s.size)
-            continue
-        tmp = f"{s.path}.cryosleep-restore"
-        with open(files_dir / s.staged, "rb") as src, open(tmp, "wb") as dst:
-            copy_prefix(src.fileno(), dst.fileno(), s.size)
-        os.chmod(tmp, s.mode)
-        os.replace(tmp, s.path)
+        # a temporary name of this restore's own: two nodes of a job restored on one host at once (each waiting
+        # for the other at the coordinator's barrier) may both put back the same file, e.g. a library of a
+        # virtualenv under /tmp; each replaces it whole, atomically
+        tmp = f"{s.path}.cryosleep-restore-{os.getpid()}"
+        try:
+            Path(s.path).parent.mkdir(parents=True, exist_ok=True)
+            if s.staged is None:
+                os.truncate(s.path, s.size)
+                continue
+            with open(files_dir / s.staged, "rb") as src, open(tmp, "wb") as dst:
+                copy_prefix(src.fileno(), dst.fileno(), s.size)
+            os.chmod(tmp, s.mode)
+            os.replace(tmp, s.path)
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise RestoreFailed(f"the file {s.path} the job had open could not be put back", str(e),
+                                "check that its directory is writable and has room; nothing of the job runs yet",
+                                path=s.path) from e

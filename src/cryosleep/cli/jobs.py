@@ -24,6 +24,7 @@ from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
+from cryosleep.store.local import LocalStore
 from cryosleep.triggers.runner import TriggerRunner
 
 
@@ -290,7 +291,8 @@ def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str
     where: str | Path | None = a.store
     if where is None:
         local = Path(str(image.get("store") or paths.default_store()))
-        where = image.get("remote") if image.get("remote") and not (local / str(image["ref"])).is_dir() else local
+        here = (LocalStore(local).snapshots / str(image["ref"])).is_dir()
+        where = image.get("remote") if image.get("remote") and not here else local
     return str(image["ref"]), where, (url, token), len(row.get("nodes") or ())
 
 
