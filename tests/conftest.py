@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,10 @@ def cryo_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     criu_install.reset_cache()
     yield home
     criu_install.reset_cache()
+    # The test's snapshots go with it: a checkout under /tmp stages its virtualenv's libraries into every image
+    # (files under /tmp may change), and a whole run's images would otherwise fill the disk before pytest's
+    # own cleanup of old runs. The job directories and logs stay, for a failure's post-mortem.
+    shutil.rmtree(tmp_path / "store", ignore_errors=True)
 
 
 def require_criu() -> None:
