@@ -46,6 +46,21 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def other_ns(pid: int, kind: str = "net") -> bool | None:
+    """Whether ``pid`` lives in another namespace of ``kind`` (``net``, ``mnt``) than the caller; None when it is
+    gone (a sandbox with its own network namespace is in another ``net`` namespace)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+def nsenter_net(pid: int) -> list[str]:
+    """The command prefix that runs a program in ``pid``'s network namespace (joined by PID, never through
+    ``ip netns exec``, which would add a mount namespace)."""
+    return ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
+
+
 def state(pid: int) -> str:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -82,11 +82,10 @@ def unlock_network(criu: Criu, rid: str | None, root_pid: int | None = None) -> 
         return
     prefix: list[str] = []
     if root_pid is not None:
-        try:
-            if os.readlink(f"/proc/{root_pid}/ns/net") != os.readlink("/proc/self/ns/net"):
-                prefix = ["nsenter", f"--net=/proc/{root_pid}/ns/net", "--"]
-        except OSError:
+        other = proctree.other_ns(root_pid)
+        if other is None:
             return  # the tree is gone, and its namespace with its lock
+        prefix = proctree.nsenter_net(root_pid) if other else []
     out = subprocess.run([*prefix, *criu.nft_argv, "list", "tables"], capture_output=True, text=True, check=False)
     for line in out.stdout.splitlines():
         parts = line.split()

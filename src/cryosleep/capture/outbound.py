@@ -175,14 +175,6 @@ def job_connections(init_pid: int, tree: Sequence[int] | None = None) -> tuple[
     return [c for c in read_table(init_pid) if c.inode in held], held
 
 
-def own_netns(pid: int) -> bool:
-    """True when ``pid`` is in another network namespace than the caller (a ``--net job`` sandbox)."""
-    try:
-        return os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        return False
-
-
 # -- which connections: the policy --------------------------------------------------------------------
 
 
@@ -353,7 +345,7 @@ def before_dump(spec: JobSpec, init_pid: int, phases: Phases, deadline: float) -
     if not policy.active:
         return {"policy": policy.to_json()}
     conns, _ = job_connections(init_pid)
-    verdicts = classify(conns, policy, own_ns=own_netns(init_pid), job_nets=job_nets(spec.net))
+    verdicts = classify(conns, policy, own_ns=bool(proctree.other_ns(init_pid)), job_nets=job_nets(spec.net))
     todo = [v.conn for v in verdicts if v.reset]
     left: dict[int, int] = {}
     waited = 0.0
@@ -399,7 +391,7 @@ def reset(init_pid: int, policy: Policy, nets: Sequence[Network], *, skip: Itera
     conns, held = job_connections(init_pid)
     done = set(skip)
     report: dict[str, Any] = {"reset": [], "failed": [], "kept": 0}
-    for v in classify(conns, policy, own_ns=own_netns(init_pid), job_nets=nets):
+    for v in classify(conns, policy, own_ns=bool(proctree.other_ns(init_pid)), job_nets=nets):
         if not v.reset:
             report["kept"] += 1
             continue

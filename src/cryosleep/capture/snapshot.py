@@ -195,7 +195,8 @@ class NodeCapture:
                 self.gpu_facts = {"driver": drv.version(), "gpus": [
                     {"index": g.index, "uuid": g.uuid_str, "name": g.name} for g in drv.gpus()],
                     "cuda_pids": [proctree.ns_pid(p) for p in self.gpus.pids]}
-            self.mounts = criu_calls.external_mounts(target.init_pid) if _own_mount_ns(target.init_pid) else []
+            own_mnt = proctree.other_ns(target.init_pid, "mnt")
+            self.mounts = criu_calls.external_mounts(target.init_pid) if own_mnt else []
             self.staging = self.store.begin(target.spec.name)
 
     def before_pause(self) -> None:
@@ -497,13 +498,6 @@ def rehearse(target: Target, *, timeout: float = 600.0, progress: Progress | Non
     finally:
         if nccl is not None:
             nccl.close()
-
-
-def _own_mount_ns(pid: int) -> bool:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
-    except OSError:
-        return False
 
 
 def _rewrite_manifest(store: LocalStore, manifest: Manifest) -> None:

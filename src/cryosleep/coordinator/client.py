@@ -252,7 +252,7 @@ class AgentRunner:
         self._halt = threading.Event()
         self.thread: threading.Thread | None = None
         self.received: list[Command] = []  # every delivery, repeats included (tests look at it)
-        self.carried = 0  # results waiting to ride on the next poll
+        self.carry: list[Result] = []  # results answered quickly enough to ride on the next poll
         self.posting = 0  # results being posted
 
     def start(self) -> AgentRunner:
@@ -273,7 +273,7 @@ class AgentRunner:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             with self.lock:
-                if not self.running and not self.claimed and not self.claimable and not self.carried \
+                if not self.running and not self.claimed and not self.claimable and not self.carry \
                         and not self.posting:
                     return True
             time.sleep(0.02)
@@ -290,30 +290,26 @@ class AgentRunner:
 
     def loop(self) -> None:
         backoff = 0.05
-        carry: list[Result] = []  # results answered quickly enough to ride on the next poll
         while not self._halt.is_set():
             try:
                 if self.agent_id is None:
                     self.register()
                 assert self.agent_id is not None
                 body: dict[str, Any] = {"incarnation": self.reg.incarnation, "wait_s": self.wait_s}
-                if carry:
-                    body["results"] = [r.to_json() for r in carry]
+                if self.carry:
+                    body["results"] = [r.to_json() for r in self.carry]
                 res = self.poll_http.call("POST", f"/v1/agents/{quote(self.agent_id, safe='')}/poll", body,
                                           timeout=self.wait_s + 30)
-                carry = []
-                self.carried = 0
+                self.carry = []
                 backoff = 0.05
                 started = [self.dispatch(Command.from_json(c)) for c in res.get("commands") or ()]
-                carry = self._collect([c for c in started if c is not None])
-                self.carried = len(carry)
+                self.carry = self._collect([c for c in started if c is not None])
             except CryosleepError as e:
                 if self._halt.is_set():
                     return
                 if e.details.get("reregister"):
                     self.agent_id = None  # the coordinator restarted: register again, same incarnation
-                    carry = []  # their commands are delivered again, and answered from ``done``
-                    self.carried = 0
+                    self.carry = []  # their commands are delivered again, and answered from ``done``
                     continue
                 self.log(f"coordinator: {e.what} ({e.why}); retrying in {backoff:.2f} s")
                 self._halt.wait(backoff)

@@ -357,6 +357,7 @@ class Driver:
         """Relays ids until every rank answers RUNNING(gen) (``uids``: ids of communicators whose rank-0
         member runs on another node, relayed by the coordinator)."""
         nap = 0.0002
+        limit = deadline - time.monotonic()
         while True:
             pending = self._relay(gen, uids or {})
             states = {r: b.state() for r, b in self.blocks.items()}
@@ -367,7 +368,7 @@ class Driver:
                 why = "still " + ", ".join(late)
                 if pending:
                     why += "; no fresh id yet from the rank-0 member of " + ", ".join(f"{i:016x}" for i in pending)
-                raise InterceptorError("the NCCL communicators were not rebuilt in time", why,
+                raise InterceptorError(f"the NCCL communicators were not rebuilt within {limit:.0f} s", why,
                                        "see the workers' logs (lines 'cryosleep-nccl[PID]')")
             time.sleep(nap)
             nap = min(nap * 2, 0.005)
@@ -376,10 +377,10 @@ class Driver:
         """After REBUILD(gen) on a node of a multi-node job: waits until the rank-0 member of every communicator
         that has one here published its fresh id (relaying it to the members here meanwhile); returns those
         ids (ident -> id) and the communicators whose rank-0 member runs elsewhere (their ids must be relayed)."""
-        roots = {s.ident for b in self.blocks.values() for s in b.comms()
-                 if s.rank == 0 and s.state == SlotState.LIVE and s.rebuild == Rebuild.FROM_ID}
-        need = sorted({s.ident for b in self.blocks.values() for s in b.comms()
-                       if s.state == SlotState.LIVE and s.rebuild == Rebuild.FROM_ID} - roots)
+        members = [(b, s) for b in self.blocks.values() for s in b.comms()
+                   if s.state == SlotState.LIVE and s.rebuild == Rebuild.FROM_ID]
+        roots = {s.ident for _, s in members if s.rank == 0}
+        need = sorted({s.ident for _, s in members} - roots)
         nap = 0.0002
         while True:
             pending = set(self._relay(gen, {})) & roots
@@ -393,12 +394,11 @@ class Driver:
             time.sleep(nap)
             nap = min(nap * 2, 0.005)
         out: dict[int, bytes] = {}
-        for b in self.blocks.values():
-            for s in b.comms():
-                if s.ident in roots and s.rank == 0:
-                    uid_gen, uid = b.uid(s.index)
-                    if uid_gen == gen:
-                        out[s.ident] = uid
+        for b, s in members:
+            if s.rank == 0:
+                uid_gen, uid = b.uid(s.index)
+                if uid_gen == gen:
+                    out[s.ident] = uid
         return out, need
 
     def run(self, timeout: float = ANSWER_TIMEOUT_S) -> None:

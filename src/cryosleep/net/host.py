@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cryosleep.agent import proctree
 from cryosleep.capture import criu_install
 from cryosleep.capture.criu_install import iproute_argv
 from cryosleep.errors import CryosleepError, IprouteUnavailable
@@ -55,7 +56,7 @@ class Host:
     # -- running iproute2 -----------------------------------------------------------------------------
 
     def _prefix(self, ns_pid: int | None) -> list[str]:
-        return ["nsenter", f"--net=/proc/{ns_pid}/ns/net", "--"] if ns_pid is not None else []
+        return proctree.nsenter_net(ns_pid) if ns_pid is not None else []
 
     def run(self, tool: str, *args: str, what: str, ns_pid: int | None = None, ok_if: Sequence[str] = (),
             hint: str = HINT) -> str:
