@@ -7,8 +7,11 @@ import time
 
 import pytest
 
+from cryosleep.agent import coordinated
+from cryosleep.agent.coordinated import RestoreRendezvous
+from cryosleep.agent.interceptor import InterceptorError
 from cryosleep.coordinator import rendezvous
-from cryosleep.errors import UsageError
+from cryosleep.errors import NotEligible, UsageError
 from tests.coordinator.helpers import Env
 
 
@@ -43,3 +46,116 @@ def test_entries_expire_and_a_board_is_bounded(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(rendezvous, "MAX_KEYS", 2)
     with pytest.raises(UsageError, match="too many keys"):
         b.exchange("s", {"a": 1, "b": 2, "c": 3})
+
+
+# ---- the nodes' side: agent/coordinated.py's RestoreRendezvous over the board --------------------------------
+
+def node(env: Env, rank: int, timeout: float = 20.0) -> RestoreRendezvous:
+    return RestoreRendezvous(env.client(), "snap", rank, 2, timeout)
+
+
+def barrier_in_thread(rv: RestoreRendezvous, gen: int = 3) -> tuple[threading.Thread, list[BaseException | None]]:
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            rv.barrier(gen)
+            out.append(None)
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def both_pass(env: Env, gens: tuple[int, int] = (3, 3)) -> tuple[RestoreRendezvous, RestoreRendezvous]:
+    """Nodes 0 and 1 of one attempt, past the barrier together."""
+    a, b = node(env, 0), node(env, 1)
+    t, out = barrier_in_thread(a, gens[0])
+    b.barrier(gens[1])
+    t.join(10)
+    assert out == [None] and a.attempt == b.attempt != ""
+    return a, b
+
+
+def test_every_node_passes_the_barrier_with_one_attempt_and_generation(env: Env) -> None:
+    a, b = both_pass(env, (3, 7))
+    assert a.generation() == b.generation() == 7 + 16
+
+
+def test_a_failure_posted_before_this_node_began_still_stops_it(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the race the CI run found: node 1 fails its checks before node 0's restore has even begun; node 0 must not
+    # wait out its whole timeout for a node that is not coming
+    monkeypatch.setattr(coordinated, "READY_FRESH_S", 1.0)
+    node(env, 1).failed(["image node-1/pages-1.img: checksum mismatch"])
+    time.sleep(0.1)
+    a = node(env, 0, timeout=30)
+    start = time.monotonic()
+    with pytest.raises(NotEligible, match="another node cannot take its image") as e:
+        a.barrier(3)
+    assert 0.9 < time.monotonic() - start < 10
+    assert "node 1 on" in e.value.why and "checksum mismatch" in e.value.why and "before this restore" in e.value.why
+    # and node 0 withdrew: it does not count as ready for anyone else
+    assert env.client().rendezvous("snap", prefix="ready/0")["ready/0"]["value"]["ok"] is None
+
+
+def test_a_failure_posted_while_waiting_stops_at_once(env: Env) -> None:
+    a = node(env, 0, timeout=30)
+    t, out = barrier_in_thread(a)
+    time.sleep(0.3)
+    start = time.monotonic()
+    node(env, 1).failed(["no GPU 1 here"])
+    t.join(10)
+    assert isinstance(out[0], NotEligible) and "no GPU 1 here" in out[0].why and "before" not in out[0].why
+    assert time.monotonic() - start < 5
+
+
+def test_a_retry_is_not_stopped_by_the_failure_of_an_earlier_attempt(env: Env,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinated, "READY_FRESH_S", 1.0)
+    node(env, 1).failed(["disk full"])  # the first attempt
+    # the retry: node 0 starts first and waits past READY_FRESH_S; node 1 announces itself on starting, then takes
+    # a while (fetching its image) before its own barrier
+    a, b = node(env, 0), node(env, 1)
+    b.announce()
+    t, out = barrier_in_thread(a)
+    time.sleep(1.5)
+    assert out == []
+    b.barrier(3)
+    t.join(10)
+    assert out == [None] and a.attempt == b.attempt
+
+
+def test_a_node_failing_past_the_barrier_ends_the_others_wait_for_its_ids(env: Env) -> None:
+    a, b = both_pass(env)
+    b.failed(["criu restore failed: see node 1's log"])
+    start = time.monotonic()
+    with pytest.raises(InterceptorError, match="could not be rebuilt") as e:
+        a.exchange(a.generation(), {1: b"\x01" * 128}, [2], time.monotonic() + 60)
+    assert "node 1 on" in e.value.why and "criu restore failed" in e.value.why and time.monotonic() - start < 3
+
+
+def test_ids_cross_between_nodes_of_one_attempt_only(env: Env) -> None:
+    old_a, _ = both_pass(env)  # an earlier attempt that posted its ids, then failed
+    old_a.exchange(old_a.generation(), {5: b"\x05" * 128}, [], time.monotonic() + 5)
+    a, b = both_pass(env)
+    assert a.attempt != old_a.attempt
+    got: list[dict[int, bytes]] = []
+    t = threading.Thread(target=lambda: got.append(b.exchange(b.generation(), {}, [5], time.monotonic() + 10)))
+    t.start()
+    time.sleep(0.5)
+    assert got == []  # the earlier attempt's id for communicator 5 is not taken
+    a.exchange(a.generation(), {5: b"\x55" * 128}, [], time.monotonic() + 5)
+    t.join(10)
+    assert got == [{5: b"\x55" * 128}]
+
+
+def test_a_node_that_passed_an_earlier_attempt_does_not_pass_a_retry_for_it(env: Env) -> None:
+    # the first attempt: both nodes passed the barrier, then it failed (say CRIU on node 1); node 1's retry
+    # begins at once, and node 0's entry (ready, fresh) must not let it pass alone
+    both_pass(env)
+    retry = node(env, 1, timeout=1.5)
+    with pytest.raises(NotEligible, match="not every node came") as e:
+        retry.barrier(3)
+    assert "[0]" in e.value.why

@@ -271,26 +271,18 @@ class Agent:
                 timeout: float = 600.0, gpu_map: list[int] | None = None,
                 rendezvous: coordinated.RestoreRendezvous | None = None) -> capture_restore.Restored:
         """Bring the job back from a snapshot into a fresh sandbox. ``rendezvous``: one node of a multi-node
-        restore: nothing starts unless every node passed its checks, and ids cross nodes at the rebuild."""
+        restore: nothing starts unless every node passed its checks, and ids cross nodes at the rebuild (the
+        caller tells the other nodes when this fails: ``RestoreRendezvous.failed``)."""
         become_subreaper()
-        at = "checks"  # then "barrier" (a failure there withdraws this node itself), then "passed"
 
         def before_criu(manifest: Any) -> None:
-            nonlocal at
             self.lock_fd = self.job.take_lock()
             if rendezvous is not None:
-                at = "barrier"
                 rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
-            at = "passed"
 
-        try:
-            restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
-                                               progress=progress, before_criu=before_criu, gpu_map=gpu_map,
-                                               net_peers=self.net_peers, relay=rendezvous)
-        except CryosleepError as e:
-            if rendezvous is not None and at == "checks":  # the other nodes must not start without this one
-                rendezvous.refuse(list(e.details.get("problems") or []) or [f"{e.what}: {e.why}"])
-            raise
+        restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
+                                           progress=progress, before_criu=before_criu, gpu_map=gpu_map,
+                                           net_peers=self.net_peers, relay=rendezvous)
         self.spec = restored.spec
         self.net_end = restored.net_end
         fast = restored.manifest.nodes[0].gpu.get("fast_path") or {}

@@ -450,18 +450,28 @@ def connect(agent: Agent, url: str, token: str, *, wait_s: float = 20.0) -> Agen
     return AgentRunner(url, token, backend, reg, wait_s=wait_s, log=log).start()
 
 
+def problems_of(e: BaseException) -> list[str]:
+    """What to tell the other nodes of a multi-node restore about this node's failure."""
+    if isinstance(e, CryosleepError):
+        return list(e.details.get("problems") or []) or [f"{e.what}: {e.why}" if e.why else e.what]
+    return [f"the restore was interrupted ({type(e).__name__}{': ' + str(e) if str(e) else ''})"]
+
+
 class RestoreRendezvous:
     """One node of a multi-node restore (``cryosleep restore SNAPSHOT --node-rank I``), meeting the others at the
     coordinator (coordinator/rendezvous.py):
 
-    * ``barrier``, once this node's checks passed (or ``refuse`` when they failed): waits until every node of the
-      snapshot is ready, so that nothing starts anywhere unless every node can restore; one node's problems stop
-      them all, each told which node failed and why;
+    * ``announce`` as soon as the restore begins (before fetching the image): this node is coming, and whatever an
+      earlier attempt of it left on the board no longer speaks for it;
+    * ``barrier``, once this node's checks passed (``failed`` when anything before failed): waits until every node
+      is ready, so that nothing starts anywhere unless every node can restore; one node's problems stop them all,
+      each told which node failed and why;
     * ``generation`` and ``exchange`` (``capture.restore.Relay``), after CRIU: the REBUILD generation all nodes use
-      (above any the images hold), and the communicators' fresh ids across nodes.
+      (above any the images hold), and the communicators' fresh ids across nodes; a node that fails past the
+      barrier (``failed`` again) tells the others, which stop waiting for its ids and end their part.
 
-    The nodes that passed one barrier together share an attempt id (from the tokens they posted), so that ids left
-    on the board by an earlier, failed attempt are never taken."""
+    The nodes that passed one barrier together share an attempt id (from the tokens they posted), so that what an
+    earlier, failed attempt left on the board is never taken."""
 
     def __init__(self, client: CoordinatorClient, sid: str, node_rank: int, nnodes: int, timeout: float,
                  log: Callable[[str], None] | None = None) -> None:
@@ -473,54 +483,79 @@ class RestoreRendezvous:
         self.log = log or (lambda _m: None)
         self.token = secrets.token_hex(8)
         self.started = time.monotonic()
+        self.stage = "checks"  # then "barrier" (a failure there withdraws this node itself), then "passed"
         self.attempt = ""
         self.gen = 0
 
-    def _entry(self, ok: bool, problems: list[str], gen: int) -> dict[str, Any]:
+    def _entry(self, ok: bool | None, problems: list[str], gen: int) -> dict[str, Any]:
         return {f"ready/{self.node_rank}": {"ok": ok, "problems": problems, "gen": gen, "token": self.token,
                                             "host": socket.gethostname()}}
 
-    def refuse(self, problems: list[str]) -> None:
-        """This node cannot restore: every other node is told before it starts anything."""
+    def _post(self, put: dict[str, Any], what: str) -> None:
         try:
-            self.client.rendezvous(self.sid, self._entry(False, problems, 0))
+            self.client.rendezvous(self.sid, put)
         except CryosleepError as e:
-            self.log(f"could not tell the other nodes that this one cannot restore: {e.what}")
+            self.log(f"could not tell the other nodes that {what}: {e.what}")
+
+    def announce(self) -> None:
+        """This node's restore has begun: it replaces whatever an earlier attempt of this node left (a failure
+        there would otherwise stop the others once it stayed unanswered for READY_FRESH_S)."""
+        self._post(self._entry(None, [], 0), "this node is restoring")
+
+    def failed(self, problems: list[str]) -> None:
+        """This node's restore failed. Before the barrier, every other node is told before it starts anything;
+        past it, the others stop waiting for this node's ids (and end their part)."""
+        if self.stage == "checks":
+            self._post(self._entry(False, problems, 0), "this one cannot restore")
+        elif self.stage == "passed":
+            self._post({f"attempt/{self.attempt}/failed/{self.node_rank}":
+                        {"host": socket.gethostname(), "problems": problems}}, "this one failed")
 
     def barrier(self, gen: int) -> None:
         """This node is ready (its captured NCCL generation ``gen``); returns once every node is, or raises.
 
-        What counts: entries posted within READY_FRESH_S (a waiting node re-posts its own every READY_REPOST_S, so
-        a node that went away drops out), and a failure only if posted after this node's restore began (one
-        left by an earlier attempt does not stop a retry)."""
+        What counts: a node's readiness posted within READY_FRESH_S (a waiting node re-posts its own every
+        READY_REPOST_S, so a node that went away drops out), or, once it passed, only for the nodes it passed
+        with (its entry then lists their tokens: a node that passed an earlier attempt's barrier does not let a
+        retry pass alone); a node's failure posted since this restore began, or one left before it that its node
+        has not replaced (``announce``) within READY_FRESH_S: that node is not being restored again, and its
+        last word is the reason rather than a timeout."""
+        self.stage = "barrier"
         end = time.monotonic() + self.timeout
         while True:
             items = self.client.rendezvous(self.sid, self._entry(True, [], gen), prefix="ready/",
                                            min_keys=self.nnodes,
                                            wait_s=min(READY_REPOST_S, max(0.0, end - time.monotonic())))
             since = time.monotonic() - self.started  # after the read: an entry posted since we began is younger
-            fresh = {k: v["value"] for k, v in items.items() if v["age_s"] < READY_FRESH_S and
-                     v["value"].get("ok") is not None and (v["value"]["ok"] or v["age_s"] < since)}
-            bad = {k: v for k, v in fresh.items() if not v["ok"]}
+            ready = {k: v["value"] for k, v in items.items() if v["value"].get("ok") is True and (
+                self.token in v["value"]["passed"] if "passed" in v["value"] else v["age_s"] < READY_FRESH_S)}
+            bad = {k: {**v["value"], "before": v["age_s"] >= since} for k, v in items.items()
+                   if v["value"].get("ok") is False and (v["age_s"] < since or since >= READY_FRESH_S)}
             if bad:
                 self._withdraw()
                 raise NotEligible(f"snapshot {self.sid} cannot be restored: another node cannot take its image",
                                   "; ".join(f"node {k.split('/')[1]} on {v.get('host')}: " + "; ".join(v["problems"])
+                                            + (" (reported before this restore began, and that node has not been "
+                                               "restored again since)" if v["before"] else "")
                                             for k, v in sorted(bad.items())),
                                   "fix what is listed on that node and run the restore of every node again; nothing "
                                   "was started here")
-            if len(fresh) >= self.nnodes and len(bad) == 0:
-                self.attempt = hashlib.sha256(" ".join(sorted(v["token"] for v in fresh.values())).encode()
-                                              ).hexdigest()[:16]
-                self.gen = max(int(v.get("gen") or 0) for v in fresh.values()) + RESTORE_GEN_MARGIN
+            if len(ready) >= self.nnodes:
+                tokens = sorted(v["token"] for v in ready.values())
+                self.attempt = hashlib.sha256(" ".join(tokens).encode()).hexdigest()[:16]
+                self.gen = max(int(v.get("gen") or 0) for v in ready.values()) + RESTORE_GEN_MARGIN
+                self.stage = "passed"
+                # from now on this entry counts only for the nodes this one passed with
+                self._post({f"ready/{self.node_rank}": {**self._entry(True, [], gen)[f"ready/{self.node_rank}"],
+                                                        "passed": tokens}}, "this one passed the barrier")
                 self.log(f"every node of {self.sid} is ready (attempt {self.attempt})")
                 return
             time.sleep(0.2)  # the keys are there but not every node is ready: do not spin on the board
             if time.monotonic() > end:
                 self._withdraw()
-                missing = sorted(set(range(self.nnodes)) - {int(k.split("/")[1]) for k in fresh})
+                missing = sorted(set(range(self.nnodes)) - {int(k.split("/")[1]) for k in ready})
                 raise NotEligible(f"snapshot {self.sid} cannot be restored: not every node came",
-                                  f"no restore of node(s) {missing} within {self.timeout:g} s",
+                                  f"no restore of node(s) {missing} ready within {self.timeout:g} s",
                                   "run `cryosleep restore SNAPSHOT --node-rank I` for every node of the job; "
                                   "nothing was started here")
 
@@ -534,7 +569,8 @@ class RestoreRendezvous:
         return self.gen
 
     def exchange(self, gen: int, uids: dict[int, bytes], need: list[int], deadline: float) -> dict[int, bytes]:
-        prefix = f"uid/{self.attempt}/{gen}/"
+        base = f"attempt/{self.attempt}/"
+        prefix = f"{base}uid/{gen}/"
         self.client.rendezvous(self.sid, {prefix + ident_hex(i): u.hex() for i, u in uids.items()})
         want = {prefix + ident_hex(i): i for i in need}
         got: dict[int, bytes] = {}
@@ -545,7 +581,17 @@ class RestoreRendezvous:
                 raise InterceptorError("the NCCL communicators could not be rebuilt across nodes",
                                        "no fresh id from another node for communicator(s) " + ", ".join(missing),
                                        "is every node of the job restoring? see their logs")
-            items = self.client.rendezvous(self.sid, prefix=prefix, min_keys=len(uids) + len(want),
-                                           wait_s=min(10.0, left))
+            # the attempt's keys: this generation's ids, and any node's failure (which wakes the wait too)
+            items = self.client.rendezvous(self.sid, prefix=base, min_keys=len(uids) + len(want),
+                                           wait_s=min(5.0, left))
+            failed = {k.rsplit("/", 1)[1]: v["value"] for k, v in items.items() if k.startswith(base + "failed/")}
+            if failed:
+                raise InterceptorError("the NCCL communicators could not be rebuilt across nodes",
+                                       "; ".join(f"node {n} on {v.get('host')} failed its restore: "
+                                                 + "; ".join(v.get("problems") or [])
+                                                 for n, v in sorted(failed.items())),
+                                       "fix what is listed on that node and run the restore of every node again")
             got.update({want[k]: bytes.fromhex(str(v["value"])) for k, v in items.items() if k in want})
+            if len(items) >= len(uids) + len(want) and want.keys() - {prefix + ident_hex(i) for i in got}:
+                time.sleep(0.2)  # other nodes' ids filled the count, not ours: do not spin on the board
         return got

@@ -14,7 +14,7 @@ from typing import Any
 
 from cryosleep import paths
 from cryosleep.agent.agent import Agent
-from cryosleep.agent.coordinated import RestoreRendezvous
+from cryosleep.agent.coordinated import RestoreRendezvous, problems_of
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.capture import outbound
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
@@ -304,17 +304,34 @@ def cmd_restore(a: argparse.Namespace) -> int:
     elif a.coordinator is not None:
         raise UsageError("--coordinator without --node-rank", "which node of the job's snapshot to restore here?",
                          "add --node-rank I")
-    store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach)
     try:
         gpu_map = [int(x) for x in a.gpu_map.split(",")] if a.gpu_map else None
     except ValueError:
         raise UsageError(f"bad --gpu-map {a.gpu_map!r}", "expected GPU indexes separated by commas",
                          "e.g. --gpu-map 1,0") from None
+    triggers = trigger_config(a)
+    rendezvous = None
+    if coordinator is not None:  # one node of a multi-node restore: it meets the others at the coordinator
+        rendezvous = RestoreRendezvous(CoordinatorClient(*coordinator), a.snapshot, a.node_rank, nnodes, a.timeout)
+        rendezvous.announce()
+    try:
+        store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach)
+    except BaseException as e:
+        if rendezvous is not None:  # the other nodes must not wait for an image this node could not get
+            rendezvous.failed(problems_of(e))
+        raise
     job = JobDir(manifest.job_name)
     printer = PhasePrinter(not a.json and not a.detach)
-    triggers = trigger_config(a)
 
     def start(out: Any) -> Agent:
+        try:
+            return restore_here(out)
+        except BaseException as e:
+            if rendezvous is not None:  # the other nodes must not start, or wait, without this one
+                rendezvous.failed(problems_of(e))
+            raise
+
+    def restore_here(out: Any) -> Agent:
         agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
         agent.net_peers = _peers(a.net_peers)
         if coordinator is None and agent.spec.coordinator:  # a coordinated job restored from a node's own image
@@ -323,10 +340,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
         else:
             agent.coordinator = coordinator
         agent.triggers = TriggerRunner(agent, triggers)
-        rendezvous = None
-        if coordinator is not None:  # one node of a multi-node restore: it meets the others at the coordinator
-            rendezvous = RestoreRendezvous(CoordinatorClient(*coordinator), a.snapshot, a.node_rank, nnodes,
-                                           a.timeout, agent.log_line)
+        if rendezvous is not None:
+            rendezvous.log = agent.log_line
         agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map,
                       rendezvous=rendezvous)
         if fetched is not None:  # the restored job goes on persisting where it came from

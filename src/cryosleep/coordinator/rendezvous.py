@@ -3,10 +3,11 @@
 A multi-node restore (``cryosleep restore SNAPSHOT --node-rank I`` on each host, agent/coordinated.py's
 ``RestoreRendezvous``) uses it twice:
 
-* the **barrier** before anything starts: each node posts ``ready/<I>`` (its own checks passed, or failed with
-  the problems) and waits until every node has; one failure and every node stops before CRIU runs;
+* the **barrier** before anything starts: each node posts ``ready/<I>`` (coming, its own checks passed, or
+  failed with the problems) and waits until every node has; one failure and every node stops before CRIU runs;
 * the **id relay** after CRIU: the communicators' fresh unique ids, posted by the node of each one's rank-0
-  member (``uid/<attempt>/<ident>``) and read by the nodes of the other members.
+  member (``attempt/<attempt>/uid/<gen>/<ident>``) and read by the nodes of the other members; a node that fails
+  there posts ``attempt/<attempt>/failed/<I>`` and the others stop waiting.
 
 One request both posts and reads (``POST /v1/snapshots/{sid}/restore`` with ``put`` and ``get``); a read may wait
 (long poll) until at least ``min`` keys with the prefix exist. The board is lost with the coordinator: a restore
