@@ -97,7 +97,8 @@ def test_stop_to_s3_restore_from_s3_alone(h: Harness, srv: S3Server, tmp_path: P
     (c) a flipped bit is caught on restore with its chunk named, and the wrong key fails clearly;
     (f) a stop snapshot whose upload fails leaves the job running and says what failed."""
     script = workload("ddp_basic")
-    args = ["--steps", "400", "--step-sleep", "0.12"]
+    linger = tmp_path / "linger"
+    args = ["--steps", "200", "--step-sleep", "0.12", "--linger", str(linger)]  # trains past the failed stop
     bucket = new_bucket(srv)
     url = f"s3://{bucket}/team/cryo"
     key = key_file(tmp_path / "job.key")
@@ -160,6 +161,7 @@ def test_stop_to_s3_restore_from_s3_alone(h: Harness, srv: S3Server, tmp_path: P
     assert res.returncode == 1 and err["error"] == "wrong_key" and "wrong key" in err["what"], err
 
     # From S3 alone: fetched, verified, restored; the training continues bit for bit.
+    linger.touch()
     out = h.cli_json("restore", "--detach", s2["snapshot"], "--store", url, "--key-file", str(key))
     assert out["snapshot"] == s2["snapshot"]
     assert out["fetched"]["bytes"] == s2["bytes"] and out["fetched"]["store"] == url

@@ -1,8 +1,10 @@
 """2-rank (or N-rank) DDP on CPU with gloo and AdamW; prints each step's loss as exact float hex.
 
 Usage (under torchrun or cryosleep run): ddp_basic.py --steps N [--step-sleep S] [--hidden H] [--mem-mb M]
-[--own-log DIR]. --mem-mb keeps that much extra state per rank (to measure snapshot cost against memory);
---own-log makes each rank append its losses to a file it keeps open (a job's own log).
+[--own-log DIR] [--linger FILE]. --mem-mb keeps that much extra state per rank (to measure snapshot cost
+against memory); --own-log makes each rank append its losses to a file it keeps open (a job's own log);
+--linger: after the last step, wait for FILE before ending (the job stays up for a test however slow the
+machine is).
 """
 
 import argparse
@@ -21,6 +23,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--mem-mb", type=int, default=0)
     p.add_argument("--own-log", default="", help="directory: each rank also appends its losses to a file there")
+    p.add_argument("--linger", default="", help="after the last step, wait for this file before ending")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -49,6 +52,8 @@ def main() -> None:
             own.flush()
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    while args.linger and not os.path.exists(args.linger):
+        time.sleep(0.05)
     dist.barrier()
     dist.destroy_process_group()
     print(f"done rank {rank} pid {os.getpid()}", flush=True)
