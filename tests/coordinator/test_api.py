@@ -156,6 +156,30 @@ def test_catalog_schema_is_versioned(tmp_path: Path) -> None:
         Catalog(tmp_path / "c.db")
 
 
+def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path: Path) -> None:
+    """Version 1 did not record the incarnation of each node's agent in a snapshot: opening one adds the column
+    (rows of before read as unknown) and keeps everything it held."""
+    import sqlite3
+
+    from cryosleep.coordinator import catalog as catalog_mod
+
+    db = sqlite3.connect(tmp_path / "c.db")
+    db.executescript(catalog_mod._SCHEMA_V1)
+    db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', '1')")
+    db.execute("INSERT INTO snapshots (id, job, mode, state, reason, request_id, timeout_s, created_at, phases) "
+               "VALUES ('s1', 'j', 'stop', 'capturing', '', NULL, 10, 0, '{}')")
+    db.execute("INSERT INTO snapshot_nodes (snapshot, node_rank, agent, state, phases) "
+               "VALUES ('s1', 0, 'j@0', 'capturing', '{}')")
+    db.commit()
+    db.close()
+    cat = Catalog(tmp_path / "c.db")
+    assert cat.schema_version() == 2
+    assert [(n["agent"], n["incarnation"]) for n in cat.snapshot("s1")["nodes"]] == [("j@0", "")]
+    cat.create_snapshot("s2", "j", "stop", 10.0, None, {0: "j@0"}, {"j@0": "inc-1"})
+    assert cat.snapshot("s2")["nodes"][0]["incarnation"] == "inc-1"
+    cat.close()
+
+
 def test_cli_against_the_service(env: Env, monkeypatch: pytest.MonkeyPatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     env.cluster(nnodes=2, nproc=2)

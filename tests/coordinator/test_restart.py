@@ -111,3 +111,39 @@ def test_sigterm_mid_snapshot_rolls_back_before_exiting(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(10)
+
+
+def test_recovery_never_touches_nodes_restored_since(tmp_path: Path) -> None:
+    """The coordinator dies past the cut of a snapshot; before it comes back, the job's nodes are restored from
+    an earlier snapshot (new agent incarnations under the same agent ids). The restarted coordinator's recovery
+    of the old snapshot must not send them its abort, rebuild or end: they were never in it."""
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    proc, url = serve(tmp_path, "127.0.0.1:0")
+    old = SimCluster(url, token, tmp_path / "store", nnodes=2, nproc=2, seed=3, wait_s=2,
+                     faults={1: SimFaults(hang={"capture"})}).start()
+    new: SimCluster | None = None
+    try:
+        client = CoordinatorClient(url, token)
+        s = client.snapshot("sim", timeout_s=60, wait=False)
+        wait_for(lambda: "net_hold" in old.nodes[1].ops_of(s["id"]), 20, "node 1 past the cut")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        old.close()
+        new = SimCluster(url, token, tmp_path / "store2", nnodes=2, nproc=2, seed=3, wait_s=2)
+        for r in new.runners:  # they register as soon as the coordinator is back
+            r.start()
+        proc, _ = serve(tmp_path, url.rsplit("/", 1)[1])
+        client = CoordinatorClient(url, token)
+        wait_for(lambda: client.snapshot_detail(s["id"])["finished_at"] is not None, 30, "recovery finished")
+        row = client.snapshot_detail(s["id"])
+        assert row["state"] in ("aborted", "failed") and not row["valid"], row["state"]
+        assert [n.ops_of(s["id"]) for n in new.nodes] == [[], []]
+        assert new.all_running() and client.job("sim")["state"] == "running"
+        again = client.snapshot("sim", timeout_s=30)  # the restored job snapshots through the new coordinator
+        assert again["state"] == "verified", again.get("error")
+    finally:
+        if new is not None:
+            new.close()
+        proc.terminate()
+        proc.wait(10)

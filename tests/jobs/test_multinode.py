@@ -111,6 +111,17 @@ def assert_identical(h: Harness, ref: dict[int, list[str]]) -> None:
             next((i for i, (x, y) in enumerate(zip(got, ref[r], strict=False)) if x != y), min(len(got), len(ref[r]))))
 
 
+def start_host_daemon(h: HostHarness, name: str, url: str) -> subprocess.Popen[str]:
+    """`cryosleep host serve` in the simulated host's namespace; returns once it serves."""
+    p = subprocess.Popen(["nsenter", f"--net=/proc/{h.ns_pid}/ns/net", "--", sys.executable, "-m", "cryosleep.cli.main",
+                          "host", "serve", "--name", name, "--coordinator", url, "--poll-wait", "2", "--json"],
+                         stdout=subprocess.PIPE, text=True, env=h.env)
+    assert p.stdout is not None
+    first = json.loads(p.stdout.readline())
+    assert first["event"] == "serving" and first["host"] == name, first
+    return p
+
+
 def restore_pair(sid: str, node0_on: HostHarness, node1_on: HostHarness, *extra: str) -> None:
     """Both nodes' restores at once: each waits at the coordinator's barrier for the other."""
     with ThreadPoolExecutor(2) as pool:
@@ -155,8 +166,19 @@ def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHa
         # both hosts' parts of the job network went with their sandboxes
         assert not {net.bridge, net.vxlan} & {x["ifname"] for x in Host(ha.ns_pid).links()}
 
-        # node 0's image on host B, node 1's on host A; the restored agents register with the coordinator again
-        restore_pair(stop["id"], hb, ha)
+        # node 0's image on host B, node 1's on host A, from one command: each host's daemon (`host serve`) takes
+        # its order from the coordinator, with the other host as its overlay peer; the restored agents register
+        # with the coordinator again
+        daemons = [start_host_daemon(h, name, url) for h, name in ((ha, "hostA"), (hb, "hostB"))]
+        try:
+            placed = json.loads(ha.cli("restore", stop["id"], "--nodes", "hostB,hostA", "--json").stdout)
+        finally:
+            for d in daemons:
+                d.send_signal(signal.SIGTERM)
+            for d in daemons:
+                assert d.wait(30) == 0
+        assert placed["state"] == "done" and [(n["host"], n["peers"], n["result"]["job"]) for n in placed["nodes"]] == [
+            ("hostB", [UNDERLAY[0]], "mn.node0"), ("hostA", [UNDERLAY[1]], "mn.node1")], placed
         assert ha.coordinator("job", "mn")["state"] in ("running", "lost", "incomplete")
         assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
         ref = reference(workload("ddp_basic"), ARGS, nproc=4)

@@ -240,3 +240,35 @@ def test_a_snapshot_its_coordinator_never_finishes_is_abandoned_after_its_deadli
         job.assert_identical()
     finally:
         job.kill_everything()
+
+
+def test_nodes_at_the_cut_whose_coordinator_never_comes_back_end_on_their_own(coord: Coordinator, cryo_home: Path
+                                                                              ) -> None:
+    """The coordinator dies for good while both nodes' ranks are at the cut (node 1 stalled at capture). Nobody
+    will finish or roll the snapshot back; the ranks cannot run again on their own. Once the snapshot's deadline
+    and the fence grace have passed, each node ends its workers (nothing left frozen or holding its GPUs), and the
+    last verified snapshot restores under a new coordinator."""
+    h = Harness(cryo_home)
+    job = Job(h, coord)
+    job.env["CRYOSLEEP_FENCE_GRACE_S"] = "1"
+    job.start()
+    try:
+        base = coord.snapshot(JOB)
+        assert base["state"] == "verified", base.get("error")
+        job.stall("capture")
+        coord.snapshot(JOB, wait=False, timeout_s=6)
+        wait_for(lambda: job.stalled("capture"), 60, "node 1 stalled at capture")
+        coord.kill()
+        for node in (0, 1):
+            pids = [job.agent_pid(node), *h.pids(NODES[node])]
+            wait_for(lambda pids=pids: not any(alive(p) for p in pids), 60, f"node {node}'s processes ended")
+            assert "ended on its own" in h.job(NODES[node]).read()[1].detail
+        coord.start()
+        assert base["id"] in coord.valid(JOB)
+        # restored while the new coordinator recovers the dead one's snapshot: the recovery leaves the restored
+        # nodes (other agent incarnations) alone
+        job.restore(base["id"])
+        job.assert_identical()
+        assert coord.job(JOB)["state"] == "running"
+    finally:
+        job.kill_everything()

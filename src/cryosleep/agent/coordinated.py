@@ -31,6 +31,7 @@ Commands of a snapshot that was aborted or finished here change nothing.
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import socket
 import threading
@@ -62,6 +63,9 @@ STALL_FILE = "fault-stall"
 TARGETS_WAIT_S = 1.0  # how long a targets round waits for the ranks to answer before reporting what it sees
 READY_FRESH_S = 30.0  # a node's entry at a restore's barrier counts this long (a waiting node re-posts it)
 READY_REPOST_S = 10.0
+FENCE_GRACE_S = 180.0  # past a snapshot's deadline by this much, a node still at its cut ends its workers
+FENCE_QUIET_S = 30.0  # ... provided its coordinator has sent it nothing for this long
+FENCE_ENV = "CRYOSLEEP_FENCE_GRACE_S"
 RESTORE_GEN_MARGIN = 16  # the restore's REBUILD generation: this far above any generation the images hold
 
 
@@ -89,6 +93,8 @@ class CoordinatedNode:
         self.after_abort_at_cut = False
         self.holds_lock = False  # the agent's snapshot lock is this backend's (from prepare to the end here)
         self.at_cut = False  # this node's ranks were quiesced (or captured) in the snapshot in progress
+        self.fence_grace = float(os.environ.get(FENCE_ENV) or FENCE_GRACE_S)
+        self.last_command = time.monotonic()
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
@@ -103,10 +109,36 @@ class CoordinatedNode:
         else:
             lock.acquire()
         try:
+            self.last_command = time.monotonic()
             self._stall(cmd)
             return fn(cmd)
         finally:
+            self.last_command = time.monotonic()
             lock.release()
+
+    def watch(self) -> None:
+        """After each of the runner's polls, answered or not: a node whose ranks are at the cut of a snapshot that
+        nobody finished or rolled back by the snapshot's deadline plus the fence grace (its coordinator gone for
+        good, cut off from this node, or restarted without its catalog), and that has been sent nothing for a
+        while, ends its workers. Its ranks cannot run again on their own (the others are rebuilt together or
+        not at all), and the coordinator ends the other nodes once it loses one past the cut: a node left
+        quiesced would hold its GPUs forever. The job's last verified snapshot is untouched."""
+        cap, now = self.cap, time.monotonic()
+        if cap is None or not self.at_cut or now < cap.deadline + self.fence_grace \
+                or now - self.last_command < min(FENCE_QUIET_S, self.fence_grace):
+            return
+        if not self.op_lock.acquire(blocking=False):
+            return  # a command is running: the coordinator is there
+        try:
+            if self.cap is not cap:
+                return
+            self.agent.end_job(f"ended on its own: its ranks were at the cut of snapshot {self.sid}, which nobody "
+                               f"finished or rolled back within {self.fence_grace:g} s of its deadline (the "
+                               "coordinator unreachable, or restarted without its catalog); restore the job's last "
+                               "verified snapshot on every node")
+            self._end("fenced")
+        finally:
+            self.op_lock.release()
 
     def _stall(self, cmd: Command) -> None:
         """Fault injection (tests/jobs/test_reliability.py, docs/reliability.md): a file ``fault-stall`` in the job's

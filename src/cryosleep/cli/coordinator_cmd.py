@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,34 +41,38 @@ def add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument("--json", action="store_true", help="print the listening address as one JSON line")
     s.set_defaults(func=cmd_serve)
 
-    j = csub.add_parser("jobs", help="the jobs the coordinator knows, with their nodes")
-    _client_opts(j)
-    j.set_defaults(func=cmd_jobs)
-
-    jb = csub.add_parser("job", help="one job's nodes and agents")
-    jb.add_argument("job")
-    _client_opts(jb)
-    jb.set_defaults(func=cmd_job)
-
-    sn = csub.add_parser("snapshot", help="snapshot a job on all its nodes (all or nothing)")
-    sn.add_argument("job")
+    _client_cmd(csub, "jobs", "the jobs the coordinator knows, with their nodes", cmd_jobs)
+    _client_cmd(csub, "job", "one job's nodes and agents", cmd_job, "job")
+    sn = _client_cmd(csub, "snapshot", "snapshot a job on all its nodes (all or nothing)", cmd_snapshot, "job")
     sn.add_argument("--stop", action="store_true",
                     help="end the job once every node's image is persisted and verified (default: keep it running)")
     sn.add_argument("--timeout", type=float, default=None, help="the one deadline for the whole snapshot (s)")
     sn.add_argument("--no-wait", action="store_true", help="return once the snapshot has started")
-    _client_opts(sn)
-    sn.set_defaults(func=cmd_snapshot)
-
-    ls = csub.add_parser("snapshots", help="the snapshots in the coordinator's catalog")
+    ls = _client_cmd(csub, "snapshots", "the snapshots in the coordinator's catalog", cmd_snapshots)
     ls.add_argument("job", nargs="?")
     ls.add_argument("--valid", action="store_true", help="only verified snapshots")
-    _client_opts(ls)
-    ls.set_defaults(func=cmd_snapshots)
+    _client_cmd(csub, "hosts", "the hosts offering capacity (`cryosleep host serve`), for restore --nodes", cmd_hosts)
+    _client_cmd(csub, "placement", "one placement of a snapshot on hosts (restore --nodes): each node's state",
+                cmd_placement, "placement")
+    _client_cmd(csub, "show", "one snapshot: per-node images and phase times, events", cmd_show, "snapshot")
 
-    sh = csub.add_parser("show", help="one snapshot: per-node images and phase times, events")
-    sh.add_argument("snapshot")
-    _client_opts(sh)
-    sh.set_defaults(func=cmd_show)
+
+def _client_cmd(csub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str,
+                func: Callable[[argparse.Namespace], int], *positional: str) -> argparse.ArgumentParser:
+    """A subcommand that asks a running coordinator."""
+    p = csub.add_parser(name, help=help)
+    for arg in positional:
+        p.add_argument(arg)
+    _client_opts(p)
+    p.set_defaults(func=func)
+    return p
+
+
+def _answered(a: argparse.Namespace, doc: Any) -> bool:
+    """With --json, the answer is the coordinator's document as it is."""
+    if a.json:
+        emit_json(doc)
+    return bool(a.json)
 
 
 def _client(a: argparse.Namespace) -> client.CoordinatorClient:
@@ -102,8 +107,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def cmd_jobs(a: argparse.Namespace) -> int:
     jobs = _client(a).jobs()
-    if a.json:
-        emit_json(jobs)
+    if _answered(a, jobs):
         return 0
     rows = [[j["job"], j["state"], f"{sum(1 for n in j['nodes'] if n['alive'])}/{j['nnodes']}", j["ranks"],
              j["snapshot_in_progress"] or "-", j["last_snapshot"] or "-"] for j in jobs]
@@ -113,8 +117,7 @@ def cmd_jobs(a: argparse.Namespace) -> int:
 
 def cmd_job(a: argparse.Namespace) -> int:
     j = _client(a).job(a.job)
-    if a.json:
-        emit_json(j)
+    if _answered(a, j):
         return 0
     print(f"job {j['job']}: {j['state']}, {j['nnodes']} node(s), {j['ranks']} rank(s), last snapshot "
           f"{j['last_snapshot'] or '-'}")
@@ -151,8 +154,7 @@ def cmd_snapshot(a: argparse.Namespace) -> int:
 
 def cmd_snapshots(a: argparse.Namespace) -> int:
     snaps = _client(a).snapshots(a.job, a.valid)
-    if a.json:
-        emit_json(snaps)
+    if _answered(a, snaps):
         return 0
     rows = [[s["id"], s["job"], s["mode"], s["state"], when(s["created_at"]), s["reason"] or "-"] for s in snaps]
     print(table(["snapshot", "job", "mode", "state", "created", "reason"], rows))
@@ -161,8 +163,7 @@ def cmd_snapshots(a: argparse.Namespace) -> int:
 
 def cmd_show(a: argparse.Namespace) -> int:
     s = _client(a).snapshot_detail(a.snapshot)
-    if a.json:
-        emit_json(s)
+    if _answered(a, s):
         return 0
     print(f"snapshot {s['id']} of job {s['job']} ({s['mode']}): {s['state']}{' (valid)' if s['valid'] else ''}")
     print(f"created {when(s['created_at'])}, verified {when(s['verified_at'])}, phases (s): {_phases(s['phases'])}")
@@ -172,4 +173,26 @@ def cmd_show(a: argparse.Namespace) -> int:
     for e in s.get("events") or ():
         node = f" node {e['node_rank']}" if e.get("node_rank") is not None else ""
         print(f"  {when(e['ts'])} {e['kind']}{node}: {e['message']}")
+    return 0
+
+
+def cmd_hosts(a: argparse.Namespace) -> int:
+    hosts = _client(a).hosts()
+    if _answered(a, hosts):
+        return 0
+    rows = [[h["name"], h["facts"].get("hostname", "-"), h["facts"].get("underlay", "-"),
+             len(h["facts"].get("gpus") or ()), "yes" if h["available"] else "no", f"{h['seen_s']:.1f} s", h["orders"]]
+            for h in hosts]
+    print(table(["host", "hostname", "underlay", "gpus", "available", "last poll", "orders"], rows))
+    return 0
+
+
+def cmd_placement(a: argparse.Namespace) -> int:
+    st = _client(a).placement(a.placement)
+    if _answered(a, st):
+        return 0
+    print(f"placement {st['id']} of {st['snapshot']}: {st['state']}")
+    for n in st["nodes"]:
+        e = n.get("error") or {}
+        print(f"  node {n['node_rank']} on {n['host']}: {n['state']}" + (f": {e.get('what')}" if e else ""))
     return 0

@@ -17,6 +17,7 @@ from cryosleep.agent.agent import Agent
 from cryosleep.agent.coordinated import RestoreRendezvous, problems_of
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.capture import outbound
+from cryosleep.cli.host_cmd import place_snapshot
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
 from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
@@ -97,7 +98,11 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r.add_argument("--node-rank", type=int, default=None, metavar="I",
                    help="SNAPSHOT is a coordinator's snapshot of a multi-node job: restore its node I here (run "
                    "this on one host per node; the restored agents register with the coordinator again)")
-    add_coordinator_args(r, "with --node-rank: the coordinator that took the snapshot "
+    r.add_argument("--nodes", default=None, metavar="HOST,...",
+                   help="SNAPSHOT is a coordinator's snapshot of a multi-node job: restore node I on the I-th host "
+                   "named, each running `cryosleep host serve` (one command for the whole job; the overlay peers "
+                   "come from the hosts)")
+    add_coordinator_args(r, "with --node-rank or --nodes: the coordinator that took the snapshot "
                          f"(default ${coord_client.ENV_URL})")
     r.add_argument("--detach", action="store_true")
     r.add_argument("--json", action="store_true")
@@ -297,6 +302,8 @@ def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
+    if a.nodes is not None:
+        return place_snapshot(a)
     require_root("restoring a snapshot")
     ref, where, coordinator, nnodes = a.snapshot, a.store, None, 1
     if a.node_rank is not None:

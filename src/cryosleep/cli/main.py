@@ -10,6 +10,7 @@ from cryosleep.cli.check import add_check
 from cryosleep.cli.coordinator_cmd import add_coordinator
 from cryosleep.cli.criu_cmd import add_criu
 from cryosleep.cli.demo import add_demo
+from cryosleep.cli.host_cmd import add_host
 from cryosleep.cli.jobs import add_run
 from cryosleep.cli.net_cmd import add_net
 from cryosleep.cli.output import emit_error
@@ -34,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     add_criu(sub)
     add_demo(sub)
     add_coordinator(sub)
+    add_host(sub)
     add_decisions(sub)
     return p
 

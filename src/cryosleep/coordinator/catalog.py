@@ -31,7 +31,7 @@ from typing import Any
 from cryosleep import paths
 from cryosleep.errors import CryosleepError, NotFound, UsageError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FINAL = ("verified", "failed", "aborted")
 
 _SCHEMA_V1 = """
@@ -123,7 +123,12 @@ class Catalog:
                     raise CryosleepError(f"the catalog {self.path} has schema version {have}",
                                          f"this cryosleep understands versions up to {SCHEMA_VERSION}",
                                          "upgrade cryosleep, or point --db at another file")
-                # future versions: ALTER TABLE steps from `have` up to SCHEMA_VERSION go here
+                # ALTER TABLE steps from `have` up to SCHEMA_VERSION
+                if have < 2:  # v2: the incarnation of each node's agent in the snapshot (a restart's recovery
+                    # must not take a later incarnation, e.g. a node restored since, for the one it was in)
+                    cols = {r["name"] for r in c.execute("PRAGMA table_info(snapshot_nodes)").fetchall()}
+                    if "incarnation" not in cols:
+                        c.execute("ALTER TABLE snapshot_nodes ADD COLUMN incarnation TEXT NOT NULL DEFAULT ''")
                 c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
                           (str(SCHEMA_VERSION),))
 
@@ -197,14 +202,17 @@ class Catalog:
     # ---- snapshots ---------------------------------------------------------------------------------------------
 
     def create_snapshot(self, sid: str, job: str, mode: str, timeout_s: float, request_id: str | None,
-                        nodes: dict[int, str]) -> None:
+                        nodes: dict[int, str], incarnations: dict[str, str] | None = None) -> None:
+        """A new snapshot of ``job``: node rank -> agent id, and each agent's incarnation taking part."""
         now = time.time()
+        incs = incarnations or {}
         with self.tx() as c:
             c.execute("INSERT INTO snapshots (id, job, mode, state, reason, request_id, timeout_s, created_at, "
                       "phases) VALUES (?, ?, ?, 'preparing', '', ?, ?, ?, '{}')",
                       (sid, job, mode, request_id, timeout_s, now))
-            c.executemany("INSERT INTO snapshot_nodes (snapshot, node_rank, agent, state, phases) "
-                          "VALUES (?, ?, ?, 'preparing', '{}')", [(sid, n, a) for n, a in sorted(nodes.items())])
+            c.executemany("INSERT INTO snapshot_nodes (snapshot, node_rank, agent, state, phases, incarnation) "
+                          "VALUES (?, ?, ?, 'preparing', '{}', ?)",
+                          [(sid, n, a, incs.get(a, "")) for n, a in sorted(nodes.items())])
 
     def by_request(self, job: str, request_id: str) -> dict[str, Any] | None:
         with self.lock:
@@ -265,8 +273,8 @@ class Catalog:
             nodes = self.db.execute("SELECT * FROM snapshot_nodes WHERE snapshot = ? ORDER BY node_rank",
                                     (sid,)).fetchall()
         out = self._snap_row(r)
-        out["nodes"] = [{"node_rank": n["node_rank"], "agent": n["agent"], "state": n["state"],
-                         "image": _l(n["image"]), "phases": _l(n["phases"])} for n in nodes]
+        out["nodes"] = [{"node_rank": n["node_rank"], "agent": n["agent"], "incarnation": n["incarnation"],
+                         "state": n["state"], "image": _l(n["image"]), "phases": _l(n["phases"])} for n in nodes]
         return out
 
     @staticmethod

@@ -174,6 +174,33 @@ class CoordinatorClient:
     def snapshot_detail(self, sid: str) -> dict[str, Any]:
         return self.http.call("GET", f"/v1/snapshots/{quote(sid, safe='')}")
 
+    def place(self, sid: str, hosts: list[str], timeout_s: float | None = None) -> dict[str, Any]:
+        """Node I of snapshot ``sid`` on ``hosts[I]``, each restored by its host daemon (coordinator/placement.py)."""
+        body: dict[str, Any] = {"hosts": hosts}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self.http.call("POST", f"/v1/snapshots/{quote(sid, safe='')}/place", body)
+
+    def placement(self, pid: str, wait_s: float = 0.0, seen: str = "") -> dict[str, Any]:
+        """A placement's state; with ``wait_s``, once it changed from ``seen`` (its last ``version``)."""
+        return self.http.call("GET", f"/v1/placements/{quote(pid, safe='')}?wait_s={wait_s:g}&seen={quote(seen)}",
+                              timeout=wait_s + 30)
+
+    def hosts(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = self.http.call("GET", "/v1/hosts")["hosts"]
+        return out
+
+    def host_poll(self, name: str, facts: dict[str, Any], wait_s: float) -> list[dict[str, Any]]:
+        """A host daemon's poll: its orders (waiting up to ``wait_s`` for one)."""
+        out: list[dict[str, Any]] = self.http.call("POST", f"/v1/hosts/{quote(name, safe='')}/poll",
+                                                   {"facts": facts, "wait_s": wait_s}, timeout=wait_s + 30)["orders"]
+        return out
+
+    def order_report(self, oid: str, state: str, *, result: dict[str, Any] | None = None,
+                     error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.http.call("POST", f"/v1/orders/{quote(oid, safe='')}",
+                              {"state": state, "result": result, "error": error})
+
     def rendezvous(self, sid: str, put: dict[str, Any] | None = None, prefix: str | None = None,
                    min_keys: int = 0, wait_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """The restore's board (coordinator/rendezvous.py): posts ``put``, returns the keys under ``prefix``
@@ -208,6 +235,9 @@ class NodeBackend(Protocol):
     def stop(self, cmd: Command) -> dict[str, Any]: ...
     def abort(self, cmd: Command) -> dict[str, Any]: ...
     def end(self, cmd: Command) -> dict[str, Any]: ...
+
+    def watch(self) -> None:
+        """Called after every poll, answered or not (a node may act on its own when its coordinator is gone)."""
 
 
 @dataclass
@@ -314,6 +344,11 @@ class AgentRunner:
                 self.log(f"coordinator: {e.what} ({e.why}); retrying in {backoff:.2f} s")
                 self._halt.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+            finally:
+                try:
+                    self.backend.watch()
+                except Exception as e:  # a bug there must not stop the polls
+                    self.log(f"node watch failed: {type(e).__name__}: {e}")
 
     def _collect(self, ids: list[str]) -> list[Result]:
         """Waits up to PIGGYBACK_S for the commands just started; the results ready by then go with the next poll

@@ -16,6 +16,7 @@ from typing import Any
 from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
+from cryosleep.coordinator.placement import Placements
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, ProtocolError, Result
 from cryosleep.coordinator.rendezvous import Board
 from cryosleep.errors import Busy, NotEligible, NotFound, UsageError
@@ -47,6 +48,7 @@ class Coordinator:
         self.log: Callable[[str], None] = log or _stderr_log
         self.hub = Hub(self.cfg.redeliver_s)
         self.board = Board()  # multi-node restores meet here (coordinator/rendezvous.py)
+        self.placements = Placements()  # host daemons, and snapshots placed on them (coordinator/placement.py)
         self.lock = threading.Lock()
         self.active: dict[str, SnapshotRun] = {}  # job -> its snapshot in progress
         self.threads: list[threading.Thread] = []
@@ -66,8 +68,9 @@ class Coordinator:
                                              f"snapshot (it was {row['state']})")
             self.catalog.event("recover", f"found unfinished at start (state {row['state']})", job=job, snapshot=sid)
             nodes = {int(n["node_rank"]): str(n["agent"]) for n in row["nodes"]}
+            incs = {str(n["agent"]): str(n.get("incarnation") or "") for n in row["nodes"]}
             run = RecoveryRun(self.catalog, self.hub, sid=sid, job=job, mode=Mode(row["mode"]), timeout_s=0.0,
-                              nodes=nodes, incarnations={}, cfg=self.machine_cfg, log=self.log, snapshot=row)
+                              nodes=nodes, incarnations=incs, cfg=self.machine_cfg, log=self.log, snapshot=row)
             with self.lock:
                 self.active[job] = run
             self._spawn(f"recover-{sid}", functools.partial(self._finish, job, run, run.recover))
@@ -222,7 +225,7 @@ class Coordinator:
                                   "restore it first")
             sid = new_snapshot_id(job)
             incs = {a: self.hub.incarnation(a) or "" for a in nodes.values()}
-            self.catalog.create_snapshot(sid, job, str(m), timeout, request_id, nodes)
+            self.catalog.create_snapshot(sid, job, str(m), timeout, request_id, nodes, incs)
             run = SnapshotRun(self.catalog, self.hub, sid=sid, job=job, mode=m, timeout_s=timeout, nodes=nodes,
                               incarnations=incs, cfg=self.machine_cfg, log=self.log)
             self.active[job] = run
@@ -252,3 +255,11 @@ class Coordinator:
         row = self.catalog.snapshot(sid)
         row["events"] = self.catalog.events(snapshot=sid)
         return row
+
+    def place(self, sid: str, hosts: list[str], timeout_s: float | None) -> dict[str, Any]:
+        """Node I of snapshot ``sid`` restored on ``hosts[I]`` by its host daemon (coordinator/placement.py)."""
+        if not hosts or not all(isinstance(h, str) and h for h in hosts):
+            raise UsageError("no hosts given for the placement", "expected a list of host names, one per node",
+                             "e.g. `cryosleep restore SNAPSHOT --nodes hostA,hostB`")
+        return self.placements.place(self.catalog.snapshot(sid), hosts,
+                                     float(timeout_s or self.cfg.default_timeout_s))

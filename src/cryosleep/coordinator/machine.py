@@ -134,11 +134,18 @@ class SnapshotRun:
         every node that can still answer and returns the failures."""
         self.step += 1
         cid = f"{self.sid}.{self.step}.{op}"
-        todo = list(self.nodes) if nodes is None else nodes
-        for n in todo:
+        todo = list(self.nodes) if nodes is None else list(nodes)
+        out = Outcome()
+        for n in list(todo):
+            if self.hub.incarnation(self.nodes[n]) not in (None, self.incarnations[self.nodes[n]]):
+                # another incarnation registered since (the agent restarted, or the node was restored): it was
+                # never in this snapshot, and nothing of it may be aborted or ended on that one's behalf
+                todo.remove(n)
+                out.failed.append(NodeFailure(n, f"{op}: its agent restarted (registered again), losing the "
+                                              "snapshot's state"))
+                continue
             a = args(n) if callable(args) else args
             self.hub.send(self.nodes[n], cid, self.sid, self.job, op, a, deadline)
-        out = Outcome()
         pending = set(todo)
         phase = PHASE_OF[op]
         checked = 0.0
@@ -398,7 +405,9 @@ class SnapshotRun:
             self.catalog.update_node(self.sid, n, state=st)
         self.catalog.update_snapshot(self.sid, state="failed", reason=err.what, error=err.to_json(),
                                      phases=self.phases.rounded(), finished=True)
-        self.catalog.set_job_state(self.job, "damaged" if problems else "running")
+        if any(self.hub.incarnation(a) in (None, self.incarnations[a]) for a in self.nodes.values()):
+            self.catalog.set_job_state(self.job, "damaged" if problems else "running")
+        # else every node runs another incarnation now (restored since): the job's state is theirs, not this one's
         self.log(f"snapshot {self.sid}: failed ({err.what})")
 
 
@@ -417,7 +426,8 @@ class RecoveryRun(SnapshotRun):
         deadline = time.monotonic() + self.cfg.rollback_s
         while time.monotonic() < deadline and not all(self.hub.line(a) for a in self.nodes.values()):
             time.sleep(0.1)  # the agents come back by polling; wait for them (bounded)
-        self.incarnations = {a: self.hub.incarnation(a) or "" for a in self.nodes.values()}
+        # the incarnations that took part (a catalog of schema 1 did not record them: whichever registered)
+        self.incarnations = {a: self.incarnations.get(a) or self.hub.incarnation(a) or "" for a in self.nodes.values()}
         try:
             if self.row.get("ponr_at"):
                 problems = self.stop()

@@ -75,6 +75,11 @@ ROUTES: list[Route] = [
     ("GET", re.compile(r"^/v1/snapshots$"), "snapshots"),
     ("GET", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)$"), "snapshot"),
     ("POST", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)/restore$"), "rendezvous"),
+    ("POST", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)/place$"), "place"),
+    ("GET", re.compile(r"^/v1/placements/(?P<pid>[^/]+)$"), "placement"),
+    ("GET", re.compile(r"^/v1/hosts$"), "hosts"),
+    ("POST", re.compile(r"^/v1/hosts/(?P<host>[^/]+)/poll$"), "host_poll"),
+    ("POST", re.compile(r"^/v1/orders/(?P<oid>[^/]+)$"), "order"),
 ]
 
 
@@ -202,6 +207,19 @@ class Handler(BaseHTTPRequestHandler):
             get = body.get("get") or {}
             return c.board.exchange(p["sid"], body.get("put"), get.get("prefix"), int(get.get("min", 0)),
                                     float(get.get("wait_s", 0.0)))
+        if name == "place":
+            hosts = body.get("hosts")
+            return c.place(p["sid"], list(hosts) if isinstance(hosts, list) else [], body.get("timeout_s"))
+        if name == "placement":
+            return c.placements.status(p["pid"], float((q.get("wait_s") or ["0"])[0]), (q.get("seen") or [""])[0])
+        if name == "hosts":
+            return {"hosts": c.placements.list_hosts()}
+        if name == "host_poll":
+            facts = body.get("facts")
+            return c.placements.poll(p["host"], facts if isinstance(facts, dict) else {},
+                                     float(body.get("wait_s", 0.0)), self._gone)
+        if name == "order":
+            return c.placements.report(p["oid"], body)
         if name == "snapshots":
             jobs = q.get("job")
             return {"snapshots": c.snapshots(jobs[0] if jobs else None, valid)}

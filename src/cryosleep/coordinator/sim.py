@@ -424,6 +424,9 @@ class SimNode:
     def end(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._endop, cmd)
 
+    def watch(self) -> None:
+        pass  # a simulated node never acts on its own
+
     def _endop(self, cmd: Command) -> dict[str, Any]:
         self._enter(cmd)
         self.frozen = False

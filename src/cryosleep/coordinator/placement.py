@@ -1,0 +1,211 @@
+"""Hosts that offer capacity, and the placement of a snapshot's node images on them.
+
+``cryosleep host serve --coordinator URL --name H`` runs on each machine that may take a node of a job (the host
+daemon, cli/host_cmd.py): it long-polls here for orders, reporting its facts (host name, GPUs, the underlay
+address its job networks' overlays use) with each poll. ``cryosleep restore SNAPSHOT --nodes H0,H1,...`` asks
+for a placement: node I's image on host HI. The coordinator checks the snapshot (verified, that many nodes) and
+the hosts (known, polled recently), and queues one order per node, each with the overlay peers of its node (the
+other hosts' underlay addresses: ``--net-peers`` is not given by hand). Each host daemon runs its order as
+``cryosleep restore SNAPSHOT --node-rank I`` there; the nodes then meet at the restore's barrier
+(rendezvous.py), so that nothing starts unless every node can restore. The placement's state is read back
+(long poll) until every order is done or failed.
+
+Hosts, orders and placements live in the coordinator's memory: a coordinator restart forgets them (the hosts
+register again with their next poll; a placement in progress is asked again).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryosleep.errors import Busy, NotEligible, NotFound, UsageError
+
+HOST_FRESH_S = 60.0  # a host that has not polled for this long is not offered for a placement
+MAX_WAIT_S = 30.0
+REDELIVER_S = 10.0  # an order delivered but not reported running is delivered again (the daemon drops repeats)
+FINAL = ("done", "failed")
+KEEP_S = 24 * 3600.0  # finished placements are forgotten after this long
+
+
+@dataclass
+class Order:
+    id: str
+    placement: str
+    host: str
+    snapshot: str
+    node_rank: int
+    peers: list[str]
+    timeout_s: float
+    state: str = "queued"  # then delivered, running, done or failed
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    updated: float = field(default_factory=time.monotonic)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "placement": self.placement, "host": self.host,
+                               "snapshot": self.snapshot, "node_rank": self.node_rank, "peers": self.peers,
+                               "timeout_s": self.timeout_s, "state": self.state}
+        if self.result is not None:
+            out["result"] = self.result
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+@dataclass
+class HostEntry:
+    name: str
+    facts: dict[str, Any]
+    seen: float
+    polling: int = 0  # polls open now
+
+
+class Placements:
+    """The hosts, their orders and the placements (thread-safe; one condition wakes every waiter)."""
+
+    def __init__(self, fresh_s: float = HOST_FRESH_S) -> None:
+        self.cond = threading.Condition()
+        self.fresh_s = fresh_s
+        self.hosts: dict[str, HostEntry] = {}
+        self.orders: dict[str, Order] = {}
+        self.placements: dict[str, list[str]] = {}  # placement id -> its orders, by node rank
+
+    # ---- the host daemons' side --------------------------------------------------------------------------------
+
+    def poll(self, name: str, facts: dict[str, Any], wait_s: float,
+             gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """A host daemon's poll: records the host (and its facts), then returns its queued orders, waiting up to
+        ``wait_s`` for one."""
+        if not name or "/" in name:
+            raise UsageError(f"invalid host name {name!r}", "a host's name is one path segment", "")
+        end = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
+        with self.cond:
+            host = self.hosts.get(name)
+            if host is None:
+                host = self.hosts[name] = HostEntry(name, facts, time.monotonic())
+            host.seen = time.monotonic()
+            if facts:
+                host.facts = facts
+            host.polling += 1
+            try:
+                while True:
+                    now = time.monotonic()
+                    mine = [o for o in self.orders.values() if o.host == name and (
+                        o.state == "queued" or (o.state == "delivered" and now - o.updated > REDELIVER_S))]
+                    left = end - now
+                    if gone():  # the daemon went away with its poll: what it did not get stays queued
+                        return {"orders": []}
+                    if mine or left <= 0:
+                        for o in mine:
+                            o.state, o.updated = "delivered", time.monotonic()
+                        self.cond.notify_all()
+                        return {"orders": [o.to_json() for o in mine]}
+                    self.cond.wait(min(left, 1.0))
+            finally:
+                host.polling -= 1
+                host.seen = time.monotonic()
+
+    def report(self, oid: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A host daemon's word on one of its orders: running, done (with the restore's result) or failed (with
+        the error)."""
+        state = str(body.get("state", ""))
+        if state not in ("running", *FINAL):
+            raise UsageError(f"invalid order state {state!r}", "expected running, done or failed", "")
+        with self.cond:
+            o = self.orders.get(oid)
+            if o is None:
+                raise NotFound(f"no order {oid}", "the coordinator does not know it (restarted?)", "")
+            if o.state not in FINAL:  # a repeated report changes nothing
+                o.state, o.updated = state, time.monotonic()
+                if isinstance(body.get("result"), dict):
+                    o.result = body["result"]
+                if isinstance(body.get("error"), dict):
+                    o.error = body["error"]
+            self.cond.notify_all()
+            return o.to_json()
+
+    # ---- the clients' side ---------------------------------------------------------------------------------------
+
+    def list_hosts(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        with self.cond:
+            return [{"name": h.name, "facts": h.facts, "seen_s": round(now - h.seen, 3),
+                     "available": h.polling > 0 or now - h.seen < self.fresh_s,
+                     "orders": sum(1 for o in self.orders.values() if o.host == h.name and o.state not in FINAL)}
+                    for h in sorted(self.hosts.values(), key=lambda h: h.name)]
+
+    def place(self, snapshot: dict[str, Any], hosts: list[str], timeout_s: float) -> dict[str, Any]:
+        """Node I of ``snapshot`` (a catalog row) on ``hosts[I]``: one order per node, or refused with every
+        reason (nothing is queued then)."""
+        sid = str(snapshot["id"])
+        nodes = sorted(int(n["node_rank"]) for n in snapshot.get("nodes") or ())
+        problems = []
+        if snapshot.get("state") != "verified":
+            problems.append(f"snapshot {sid} is {snapshot.get('state')}, not verified")
+        if len(hosts) != len(nodes):
+            problems.append(f"snapshot {sid} has {len(nodes)} node(s), {len(hosts)} host(s) were given")
+        now = time.monotonic()
+        with self.cond:
+            self._expire(now)
+            for name in dict.fromkeys(hosts):
+                h = self.hosts.get(name)
+                if h is None:
+                    problems.append(f"no host {name!r} has registered (is `cryosleep host serve` running there?)")
+                elif h.polling == 0 and now - h.seen >= self.fresh_s:
+                    problems.append(f"host {name!r} has not polled for {now - h.seen:.0f} s")
+            if problems:
+                raise NotEligible(f"snapshot {sid} cannot be placed", "; ".join(problems),
+                                  "list the hosts with `cryosleep coordinator hosts` and the valid snapshots with "
+                                  "`cryosleep coordinator snapshots JOB --valid`; nothing was started")
+            busy = [p for p, oids in self.placements.items()
+                    if self.orders[oids[0]].snapshot == sid and any(self.orders[o].state not in FINAL for o in oids)]
+            if busy:
+                raise Busy(f"snapshot {sid} is being placed already", f"placement {busy[0]} is in progress",
+                           f"wait for it: `cryosleep coordinator placement {busy[0]}`")
+            pid = "pl-" + secrets.token_hex(6)
+            underlay = {n: str(self.hosts[n].facts.get("underlay") or "") for n in hosts}
+            oids = []
+            for rank, name in zip(nodes, hosts, strict=True):
+                peers = sorted({underlay[o] for o in hosts if o != name and underlay[o]} - {underlay[name]})
+                o = Order("or-" + secrets.token_hex(6), pid, name, sid, rank, peers, timeout_s)
+                self.orders[o.id] = o
+                oids.append(o.id)
+            self.placements[pid] = oids
+            self.cond.notify_all()
+            return self._status(pid)
+
+    def status(self, pid: str, wait_s: float = 0.0, seen: str = "") -> dict[str, Any]:
+        """A placement's orders; with ``wait_s``, waits until they change from ``seen`` (a status's ``version``)
+        or are all final."""
+        end = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
+        with self.cond:
+            while True:
+                if pid not in self.placements:
+                    raise NotFound(f"no placement {pid}", "the coordinator does not know it (restarted?)",
+                                   "list the job's snapshots and place one again")
+                out = self._status(pid)
+                left = end - time.monotonic()
+                if out["version"] != seen or out["state"] in FINAL or left <= 0:
+                    return out
+                self.cond.wait(min(left, 1.0))
+
+    def _status(self, pid: str) -> dict[str, Any]:
+        orders = [self.orders[o] for o in self.placements[pid]]
+        states = [o.state for o in orders]
+        state = ("failed" if "failed" in states and all(s in FINAL for s in states) else
+                 "done" if all(s == "done" for s in states) else "running")
+        version = ",".join(states)
+        return {"id": pid, "snapshot": orders[0].snapshot, "state": state, "version": version,
+                "nodes": [o.to_json() for o in orders]}
+
+    def _expire(self, now: float) -> None:
+        for pid, oids in list(self.placements.items()):
+            if all(self.orders[o].state in FINAL and now - self.orders[o].updated > KEEP_S for o in oids):
+                for o in oids:
+                    del self.orders[o]
+                del self.placements[pid]

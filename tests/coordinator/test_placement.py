@@ -1,0 +1,120 @@
+"""Placing a snapshot's nodes on hosts (coordinator/placement.py, `cryosleep host serve`, `restore --nodes`), over
+real HTTP. The successful restore of a real job through host daemons is in tests/jobs/test_multinode.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cryosleep.cli.host_cmd import HostDaemon, underlay_towards
+from cryosleep.cli.main import main
+from cryosleep.coordinator import placement
+from cryosleep.errors import Busy, NotEligible
+from tests.coordinator.helpers import Env
+
+
+def verified(env: Env, nnodes: int = 2) -> dict[str, Any]:
+    env.cluster(nnodes=nnodes, nproc=1)
+    s = env.client().snapshot("sim", timeout_s=20)
+    assert s["state"] == "verified", s.get("error")
+    return s
+
+
+def test_a_placement_is_refused_with_every_reason_and_nothing_queued(env: Env) -> None:
+    s = verified(env)
+    c = env.client()
+    c.host_poll("hostA", {"underlay": "10.0.0.1"}, 0)
+    with pytest.raises(NotEligible) as e:
+        c.place(s["id"], ["hostA", "nowhere", "hostA"])
+    assert "2 node(s), 3 host(s)" in e.value.why and "no host 'nowhere'" in e.value.why
+    assert "coordinator hosts" in e.value.hint
+    assert c.hosts()[0]["orders"] == 0 and c.host_poll("hostA", {}, 0) == []
+
+
+def test_each_host_gets_its_node_with_the_other_hosts_as_overlay_peers(env: Env) -> None:
+    s = verified(env)
+    c = env.client()
+    c.host_poll("hostA", {"underlay": "10.0.0.1"}, 0)
+    c.host_poll("hostB", {"underlay": "10.0.0.2"}, 0)
+    st = c.place(s["id"], ["hostB", "hostA"], timeout_s=42)  # swapped
+    assert st["state"] == "running" and [(n["node_rank"], n["host"], n["peers"], n["state"]) for n in st["nodes"]] == [
+        (0, "hostB", ["10.0.0.1"], "queued"), (1, "hostA", ["10.0.0.2"], "queued")]
+    with pytest.raises(Busy, match="being placed already"):
+        c.place(s["id"], ["hostA", "hostB"])
+    got = c.host_poll("hostA", {"underlay": "10.0.0.1"}, 5)
+    assert [(o["node_rank"], o["snapshot"], o["timeout_s"]) for o in got] == [(1, s["id"], 42)]
+    assert {h["name"]: h["orders"] for h in c.hosts()} == {"hostA": 1, "hostB": 1}
+
+    # a reader waiting on the placement wakes when a node's state changes
+    seen: list[dict[str, Any]] = []
+    t = threading.Thread(target=lambda: seen.append(env.client().placement(st["id"], wait_s=20,
+                                                                           seen="queued,delivered")))
+    t.start()
+    time.sleep(0.3)
+    c.order_report(got[0]["id"], "running")
+    t.join(10)
+    assert [n["state"] for n in seen[0]["nodes"]] == ["queued", "running"]
+    c.order_report(got[0]["id"], "done", result={"job": "sim.node1"})
+    (b,) = c.host_poll("hostB", {}, 5)
+    c.order_report(b["id"], "failed", error={"error": "not_eligible", "what": "no GPU here"})
+    c.order_report(b["id"], "done")  # a final state stays
+    final = c.placement(st["id"])
+    assert final["state"] == "failed" and final["nodes"][0]["error"]["what"] == "no GPU here"
+    assert final["nodes"][1]["result"] == {"job": "sim.node1"}
+    c.place(s["id"], ["hostA", "hostB"])  # once finished, the snapshot may be placed again
+
+
+def test_an_order_the_host_never_confirmed_is_delivered_again(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement, "REDELIVER_S", 0.3)
+    s = verified(env, nnodes=1)
+    c = env.client()
+    c.host_poll("solo", {}, 0)
+    c.place(s["id"], ["solo"])
+    (first,) = c.host_poll("solo", {}, 5)
+    assert c.host_poll("solo", {}, 0) == []  # delivered, not yet due again
+    time.sleep(0.4)
+    (again,) = c.host_poll("solo", {}, 5)
+    assert again["id"] == first["id"]
+    c.order_report(first["id"], "running")
+    time.sleep(0.4)
+    assert c.host_poll("solo", {}, 0) == []
+
+
+def test_restore_nodes_through_host_daemons_reports_each_nodes_failure(env: Env, cryo_home: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole path with real host daemons running real `cryosleep restore` commands: the simulated cluster's
+    images are not real snapshots, so each node's restore fails, and the one command that placed them says which
+    node failed on which host and why."""
+    s = verified(env)
+    monkeypatch.setenv("CRYOSLEEP_COORDINATOR", env.url)
+    monkeypatch.setenv("CRYOSLEEP_COORDINATOR_TOKEN_FILE", str(env.tmp / "token"))
+    daemons = [HostDaemon(env.url, env.token, name, underlay_towards(env.url), poll_wait=1.0) for name in ("a", "b")]
+    threads = [threading.Thread(target=d.serve, daemon=True) for d in daemons]
+    for t in threads:
+        t.start()
+    try:
+        while len(env.client().hosts()) < 2:
+            time.sleep(0.05)
+        assert main(["restore", s["id"], "--nodes", "b,a", "--timeout", "30", "--json"]) == 1
+        out = json.loads(capsys.readouterr().out)
+        assert out["state"] == "failed" and [(n["node_rank"], n["host"], n["state"]) for n in out["nodes"]] == [
+            (0, "b", "failed"), (1, "a", "failed")]
+        assert all(n["error"]["error"] and n["error"]["what"] for n in out["nodes"]), out
+        assert main(["restore", s["id"], "--nodes", "a,b", "--node-rank", "0", "--json"]) == 2
+        assert "--node-rank" in json.loads(capsys.readouterr().out)["what"]
+        assert main(["coordinator", "hosts", "--json"]) == 0
+        hosts = json.loads(capsys.readouterr().out)
+        assert [(h["name"], h["available"], h["orders"]) for h in hosts] == [("a", True, 0), ("b", True, 0)]
+        assert hosts[0]["facts"]["underlay"] == "127.0.0.1"
+    finally:
+        for d in daemons:
+            d.shutdown()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads), "a host daemon did not stop"
