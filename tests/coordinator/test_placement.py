@@ -36,6 +36,21 @@ def test_a_placement_is_refused_with_every_reason_and_nothing_queued(env: Env) -
     assert c.hosts()[0]["orders"] == 0 and c.host_poll("hostA", {}, 0) == []
 
 
+def test_a_host_whose_gpus_differ_from_the_images_is_refused(env: Env) -> None:
+    s = verified(env)
+    for n in s["nodes"]:  # as a node agent records a GPU job's image: the models of the GPUs it was taken on
+        env.coordinator.catalog.update_node(s["id"], n["node_rank"], image={**n["image"], "gpus": ["NVIDIA H200"] * 2})
+    c = env.client()
+    c.host_poll("big", {"gpus": ["NVIDIA H200"] * 2}, 0)
+    c.host_poll("small", {"gpus": ["NVIDIA H200"]}, 0)
+    c.host_poll("cpu", {"gpus": []}, 0)
+    with pytest.raises(NotEligible) as e:
+        c.place(s["id"], ["small", "cpu"])
+    assert "node 0's image was taken on 2 GPU(s) (NVIDIA H200), host 'small' has 1 (NVIDIA H200)" in e.value.why
+    assert "node 1's image was taken on 2 GPU(s) (NVIDIA H200), host 'cpu' has 0" in e.value.why
+    assert c.place(s["id"], ["big", "big"])["state"] == "running"
+
+
 def test_each_host_gets_its_node_with_the_other_hosts_as_overlay_peers(env: Env) -> None:
     s = verified(env)
     c = env.client()

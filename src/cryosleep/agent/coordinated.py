@@ -391,7 +391,8 @@ class CoordinatedNode:
         data = (self.store.path_of(manifest.id) / "manifest.json").read_bytes()
         image = {"ref": manifest.id, "store": str(self.store.root), "remote": remote,
                  "host": socket.gethostname(), "bytes": manifest.bytes,
-                 "sha256": hashlib.sha256(data).hexdigest(), "pause_s": manifest.pause_s}
+                 "sha256": hashlib.sha256(data).hexdigest(), "pause_s": manifest.pause_s,
+                 "gpus": [str(g.get("name")) for g in manifest.nodes[0].gpu.get("gpus") or ()]}
         if not cap.stop:  # the job runs already: this node's part is done
             cap.finish()
             self.agent.state.last_snapshot = manifest.id

@@ -158,6 +158,14 @@ class Placements:
                     problems.append(f"no host {name!r} has registered (is `cryosleep host serve` running there?)")
                 elif h.polling == 0 and now - h.seen >= self.fresh_s:
                     problems.append(f"host {name!r} has not polled for {now - h.seen:.0f} s")
+            images = {int(n["node_rank"]): n.get("image") or {} for n in snapshot.get("nodes") or ()}
+            for rank, name in zip(nodes, hosts, strict=False):
+                need, h = images.get(rank, {}).get("gpus") or [], self.hosts.get(name)
+                have = list(h.facts.get("gpus") or []) if h is not None else None
+                if need and have is not None and sorted(have) != sorted(need):
+                    models = ", ".join(sorted(set(need)))
+                    problems.append(f"node {rank}'s image was taken on {len(need)} GPU(s) ({models}), host {name!r} "
+                                    f"has {len(have)}" + (f" ({', '.join(sorted(set(have)))})" if have else ""))
             if problems:
                 raise NotEligible(f"snapshot {sid} cannot be placed", "; ".join(problems),
                                   "list the hosts with `cryosleep coordinator hosts` and the valid snapshots with "
