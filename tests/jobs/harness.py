@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,10 +57,17 @@ def reference(script: Path, args: list[str], nproc: int = 2) -> dict[int, list[s
     env = dict(os.environ, USE_LIBUV="0", OMP_NUM_THREADS="1")
     out: dict[int, list[str]] = {}
     logdir = Path(f"/tmp/cryosleep-ref-{os.getpid()}-{len(_reference_cache)}")
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-         str(free_port()), "--log-dir", str(logdir), "--tee", "3", str(script), *args],
-        capture_output=True, text=True, env=env, timeout=600, check=False)
+    for attempt in (0, 1):
+        # once more after a crash: a plain torchrun rank was seen to abort once under load ("terminate called
+        # without an active exception", inside PyTorch); the reference is not what is under test, and a second
+        # crash fails the test
+        shutil.rmtree(logdir, ignore_errors=True)
+        res = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+             str(free_port()), "--log-dir", str(logdir), "--tee", "3", str(script), *args],
+            capture_output=True, text=True, env=env, timeout=600, check=False)
+        if res.returncode == 0 or attempt == 1:
+            break
     assert res.returncode == 0, res.stderr[-3000:]
     for r in range(nproc):
         logs = list(logdir.rglob(f"{r}/stdout.log"))

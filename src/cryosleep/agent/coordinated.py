@@ -438,6 +438,9 @@ class CoordinatedNode:
         if self.cap is not None:
             problems += self.cap.undo_capture()
         self.images.pop(cmd.snapshot, None)
+        if not self.agent.job_alive():  # its workers are gone: the job cannot go on as a whole (the coordinator
+            self._end("aborted")  # ends the other nodes rather than leave them waiting on these ranks)
+            return {"state": "exited"}
         nccl = self.nccl
         if nccl is not None and at_cut:
             live = [r for r, b in nccl.blocks.items() if b.comms_live]

@@ -359,6 +359,10 @@ class SnapshotRun:
         with self.phases.phase("rollback"):
             at_cut = self.at_cut and not self.resumed
             out = self.gather(Op.ABORT, {"at_cut": at_cut, "gen": self.next_gen()}, deadline, tolerant=True)
+            exited = sorted(n for n, d in out.ok.items() if d.get("state") == "exited")
+            for n in exited:
+                states[n] = "exited"
+                problems.append(f"node {n}: its workers exited during the snapshot")
             for f in out.failed:
                 lost = not self.hub.alive(self.nodes[f.node], self.cfg.lost_after_s)
                 states[f.node] = "lost" if lost else "not-resumed"
@@ -381,11 +385,14 @@ class SnapshotRun:
                                             tolerant=True)
                         problems += [f"node {f.node}: {f.why}" for f in again.failed]
         ended = False
-        if problems and at_cut:
+        if problems and (at_cut or exited):
             # past the cut, a node that cannot be brought back leaves the others unable to go on (their peers
-            # are gone, or quiesced for good): every node still answering ends its workers, so that no part of
-            # the job is left half-dead; a lost agent's own watchdog has ended its node (agent/watchdog.py)
-            reason = f"snapshot {self.sid} could not be rolled back on every node"
+            # are gone, or quiesced for good), and so does a node whose workers exited, at any phase (the others
+            # would wait on them until their own timeouts): every node still answering ends its workers, so that
+            # no part of the job is left half-dead; a lost agent's own watchdog has ended its node
+            # (agent/watchdog.py)
+            reason = (f"the workers of node(s) {', '.join(map(str, exited))} exited during snapshot {self.sid}"
+                      if exited else f"snapshot {self.sid} could not be rolled back on every node")
             out = self.gather(Op.END, {"reason": reason}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
             ended = True
             for n in out.ok:
