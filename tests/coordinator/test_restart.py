@@ -147,3 +147,32 @@ def test_recovery_never_touches_nodes_restored_since(tmp_path: Path) -> None:
             new.close()
         proc.terminate()
         proc.wait(10)
+
+
+def test_recovery_past_the_point_of_no_return_when_no_node_comes_back(tmp_path: Path) -> None:
+    """The coordinator dies after a stop snapshot's point of no return, and the nodes are gone too (they stopped
+    by themselves, or their hosts went away): the restarted coordinator waits for them a bounded time, never
+    sends to agents that did not register, and leaves the snapshot valid and the job suspended in it."""
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    proc, url = serve(tmp_path, "127.0.0.1:0")
+    c = SimCluster(url, token, tmp_path / "store", nnodes=2, nproc=2, seed=3, wait_s=2,
+                   faults={1: SimFaults(hang={"stop"})}).start()
+    try:
+        client = CoordinatorClient(url, token)
+        s = client.snapshot("sim", stop=True, timeout_s=60, wait=False)
+        wait_for(lambda: "stop" in c.nodes[1].ops_of(s["id"]), 20, "node 1 told to stop")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        c.close()  # and the nodes are gone
+        proc, _ = serve(tmp_path, url.rsplit("/", 1)[1])
+        client = CoordinatorClient(url, token)
+        wait_for(lambda: client.snapshot_detail(s["id"])["finished_at"] is not None, 30, "recovery finished")
+        row = client.snapshot_detail(s["id"])
+        assert row["state"] == "verified" and row["valid"], row["state"]
+        assert client.job("sim")["state"] == "suspended"
+        failed = [e["message"] for e in row["events"] if e["kind"] == "stop-failed"]
+        assert len(failed) == 2 and all("has not registered" in m for m in failed), failed
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -137,7 +137,12 @@ class SnapshotRun:
         todo = list(self.nodes) if nodes is None else list(nodes)
         out = Outcome()
         for n in list(todo):
-            if self.hub.incarnation(self.nodes[n]) not in (None, self.incarnations[self.nodes[n]]):
+            inc = self.hub.incarnation(self.nodes[n])
+            if inc is None:  # not registered with this coordinator (a restarted one): nothing to send it to
+                todo.remove(n)
+                out.failed.append(NodeFailure(n, f"{op}: its agent has not registered with this coordinator"))
+                continue
+            if inc != self.incarnations[self.nodes[n]]:
                 # another incarnation registered since (the agent restarted, or the node was restored): it was
                 # never in this snapshot, and nothing of it may be aborted or ended on that one's behalf
                 todo.remove(n)
@@ -430,9 +435,11 @@ class RecoveryRun(SnapshotRun):
         self.gen = 1 << 20  # above anything the previous coordinator handed out for this snapshot
 
     def recover(self) -> None:
-        deadline = time.monotonic() + self.cfg.rollback_s
+        # the agents come back by polling (retrying at least every 5 s): wait for them, bounded; one that does not
+        # come is gone (a stop snapshot's nodes may have ended already) and counts as lost
+        deadline = time.monotonic() + min(self.cfg.rollback_s, self.cfg.lost_after_s + 10.0)
         while time.monotonic() < deadline and not all(self.hub.line(a) for a in self.nodes.values()):
-            time.sleep(0.1)  # the agents come back by polling; wait for them (bounded)
+            time.sleep(0.1)
         # the incarnations that took part (a catalog of schema 1 did not record them: whichever registered)
         self.incarnations = {a: self.incarnations.get(a) or self.hub.incarnation(a) or "" for a in self.nodes.values()}
         try:
