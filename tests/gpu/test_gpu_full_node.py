@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from cryosleep.agent import proctree
 from tests.gpu.test_gpu_cycle import gpu_count
 from tests.jobs.coordinated import Coordinator
 from tests.jobs.harness import reference, workload
@@ -57,7 +58,7 @@ def last_step(h: HostHarness) -> int:
 def test_two_nodes_of_four_gpus_tp_inside_dp_across(hosts: tuple[HostHarness, HostHarness],  # noqa: F811
                                                     tmp_path: Path) -> None:
     ha, hb = hosts
-    coord = Coordinator(tmp_path, "0.0.0.0:0", prefix=("nsenter", f"--net=/proc/{ha.ns_pid}/ns/net", "--"))
+    coord = Coordinator(tmp_path, "0.0.0.0:0", prefix=tuple(proctree.nsenter_net(ha.ns_pid)))
     url = f"http://{UNDERLAY[0]}:{coord.url.rsplit(':', 1)[1]}"
     extra = SOCKETS_ONLY if os.environ.get("CRYOSLEEP_FULLNODE_SOCKETS") == "1" else {}
     for h in hosts:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from cryosleep.agent import proctree
 from tests.gpu.test_gpu_cycle import WORKLOAD, gpu_count
 from tests.jobs.coordinated import Coordinator
 from tests.jobs.harness import reference
@@ -41,7 +42,7 @@ def run_node(h: HostHarness, rank: int, port: int, url: str) -> dict[str, Any]:
 def test_two_gpu_nodes_nccl_over_job_network_restored_swapped(
         hosts: tuple[HostHarness, HostHarness], tmp_path: Path) -> None:  # noqa: F811
     ha, hb = hosts
-    coord = Coordinator(tmp_path, "0.0.0.0:0", prefix=("nsenter", f"--net=/proc/{ha.ns_pid}/ns/net", "--"))
+    coord = Coordinator(tmp_path, "0.0.0.0:0", prefix=tuple(proctree.nsenter_net(ha.ns_pid)))
     url = f"http://{UNDERLAY[0]}:{coord.url.rsplit(':', 1)[1]}"
     for h in hosts:
         h.env = coord.env({**h.env, **SOCKETS_ONLY, "CRYOSLEEP_COORDINATOR": url})

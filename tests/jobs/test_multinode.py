@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from cryosleep.agent import proctree
 from cryosleep.net import Host, job_net
 from tests.conftest import require_criu
 from tests.jobs.coordinated import Coordinator
@@ -48,7 +49,7 @@ class HostHarness(Harness):
 
     def cli(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        cmd = ["nsenter", f"--net=/proc/{self.ns_pid}/ns/net", "--", sys.executable, "-m", "cryosleep.cli.main",
+        cmd = [*proctree.nsenter_net(self.ns_pid), sys.executable, "-m", "cryosleep.cli.main",
                *args]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env or self.env, timeout=timeout, check=False)
         if check and res.returncode != 0:
@@ -113,7 +114,7 @@ def assert_identical(h: Harness, ref: dict[int, list[str]]) -> None:
 
 def start_host_daemon(h: HostHarness, name: str, url: str) -> subprocess.Popen[str]:
     """`cryosleep host serve` in the simulated host's namespace; returns once it serves."""
-    p = subprocess.Popen(["nsenter", f"--net=/proc/{h.ns_pid}/ns/net", "--", sys.executable, "-m", "cryosleep.cli.main",
+    p = subprocess.Popen([*proctree.nsenter_net(h.ns_pid), sys.executable, "-m", "cryosleep.cli.main",
                           "host", "serve", "--name", name, "--coordinator", url, "--poll-wait", "2", "--json"],
                          stdout=subprocess.PIPE, text=True, env=h.env)
     assert p.stdout is not None
@@ -131,7 +132,7 @@ def restore_pair(sid: str, node0_on: HostHarness, node1_on: HostHarness, *extra:
 def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHarness, HostHarness],
                                                            tmp_path: Path) -> None:
     ha, hb = hosts
-    coord = Coordinator(tmp_path, "0.0.0.0:0", prefix=("nsenter", f"--net=/proc/{ha.ns_pid}/ns/net", "--"))
+    coord = Coordinator(tmp_path, "0.0.0.0:0", prefix=tuple(proctree.nsenter_net(ha.ns_pid)))
     url = f"http://{UNDERLAY[0]}:{coord.url.rsplit(':', 1)[1]}"  # host A's address, reached from both hosts
     for h in hosts:
         h.env = coord.env({**h.env, "CRYOSLEEP_COORDINATOR": url})

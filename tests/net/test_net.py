@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from cryosleep.agent import proctree
 from cryosleep.errors import UsageError
 from cryosleep.net import Host, JobNet, NetError, host_end_name, job_net, node_address
 from cryosleep.net import sandbox as net_sandbox
@@ -115,7 +116,7 @@ def ns() -> Iterator[Namespaces]:
 
 
 def in_ns(pid: int, code: str, *args: str, wait: bool = True) -> subprocess.Popen[str]:
-    p = subprocess.Popen(["nsenter", f"--net=/proc/{pid}/ns/net", "--", sys.executable, "-c", code, *args],
+    p = subprocess.Popen([*proctree.nsenter_net(pid), sys.executable, "-c", code, *args],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if wait:
         p.wait(timeout=30)

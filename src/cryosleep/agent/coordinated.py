@@ -523,9 +523,9 @@ class RestoreRendezvous:
         self.attempt = ""
         self.gen = 0
 
-    def _entry(self, ok: bool | None, problems: list[str], gen: int) -> dict[str, Any]:
+    def _entry(self, ok: bool | None, problems: list[str], gen: int, **extra: Any) -> dict[str, Any]:
         return {f"ready/{self.node_rank}": {"ok": ok, "problems": problems, "gen": gen, "token": self.token,
-                                            "host": socket.gethostname()}}
+                                            "host": socket.gethostname(), **extra}}
 
     def _post(self, put: dict[str, Any], what: str) -> None:
         try:
@@ -582,8 +582,7 @@ class RestoreRendezvous:
                 self.gen = max(int(v.get("gen") or 0) for v in ready.values()) + RESTORE_GEN_MARGIN
                 self.stage = "passed"
                 # from now on this entry counts only for the nodes this one passed with
-                self._post({f"ready/{self.node_rank}": {**self._entry(True, [], gen)[f"ready/{self.node_rank}"],
-                                                        "passed": tokens}}, "this one passed the barrier")
+                self._post(self._entry(True, [], gen, passed=tokens), "this one passed the barrier")
                 self.log(f"every node of {self.sid} is ready (attempt {self.attempt})")
                 return
             time.sleep(0.2)  # the keys are there but not every node is ready: do not spin on the board
@@ -608,17 +607,17 @@ class RestoreRendezvous:
         base = f"attempt/{self.attempt}/"
         prefix = f"{base}uid/{gen}/"
         self.client.rendezvous(self.sid, {prefix + ident_hex(i): u.hex() for i, u in uids.items()})
-        want = {prefix + ident_hex(i): i for i in need}
+        missing = {prefix + ident_hex(i): i for i in need}  # key on the board -> communicator
         got: dict[int, bytes] = {}
-        while want.keys() - {prefix + ident_hex(i) for i in got}:
+        while missing:
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(k.rsplit("/", 1)[1] for k in want if want[k] not in got)
                 raise InterceptorError("the NCCL communicators could not be rebuilt across nodes",
-                                       "no fresh id from another node for communicator(s) " + ", ".join(missing),
+                                       "no fresh id from another node for communicator(s) "
+                                       + ", ".join(sorted(k.rsplit("/", 1)[1] for k in missing)),
                                        "is every node of the job restoring? see their logs")
             # the attempt's keys: this generation's ids, and any node's failure (which wakes the wait too)
-            items = self.client.rendezvous(self.sid, prefix=base, min_keys=len(uids) + len(want),
+            items = self.client.rendezvous(self.sid, prefix=base, min_keys=len(uids) + len(need),
                                            wait_s=min(5.0, left))
             failed = {k.rsplit("/", 1)[1]: v["value"] for k, v in items.items() if k.startswith(base + "failed/")}
             if failed:
@@ -627,7 +626,8 @@ class RestoreRendezvous:
                                                  + "; ".join(v.get("problems") or [])
                                                  for n, v in sorted(failed.items())),
                                        "fix what is listed on that node and run the restore of every node again")
-            got.update({want[k]: bytes.fromhex(str(v["value"])) for k, v in items.items() if k in want})
-            if len(items) >= len(uids) + len(want) and want.keys() - {prefix + ident_hex(i) for i in got}:
+            for k in [k for k in missing if k in items]:
+                got[missing.pop(k)] = bytes.fromhex(str(items[k]["value"]))
+            if missing and len(items) >= len(uids) + len(need):
                 time.sleep(0.2)  # other nodes' ids filled the count, not ours: do not spin on the board
         return got

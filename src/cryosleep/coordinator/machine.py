@@ -136,8 +136,9 @@ class SnapshotRun:
         cid = f"{self.sid}.{self.step}.{op}"
         todo = list(self.nodes) if nodes is None else list(nodes)
         out = Outcome()
+        registered = self.hub.health([self.nodes[n] for n in todo], self.cfg.lost_after_s)  # one lock for all
         for n in list(todo):
-            inc = self.hub.incarnation(self.nodes[n])
+            inc = registered[self.nodes[n]][0]
             if inc is None:  # not registered with this coordinator (a restarted one): nothing to send it to
                 todo.remove(n)
                 out.failed.append(NodeFailure(n, f"{op}: its agent has not registered with this coordinator"))
