@@ -17,10 +17,13 @@ CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +35,59 @@ WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
 GPU_WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 
 
+def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, mem: int, path: str,
+            rows: list[tuple[int, str, dict[str, object]]]) -> None:
+    """One size on one path: the job started, ``--keep`` keep-running snapshots, a stop, the restore."""
+    flags = ["--fast-path"] if path == "fast" else []
+    if a.gpu:
+        job = [str(GPU_WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-gib", str(mem / 1024)]
+    else:
+        job = [str(WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem)]
+    cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), *flags, *job)
+    log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
+    wait_lines(log, 5)
+    for kind in ["keep-running"] * a.keep + ["stop"]:
+        res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []))
+        shown = cli(env, "show", str(res["snapshot"]))
+        res["plain"] = {r: why for n in shown["nodes"] for r, why in  # type: ignore[attr-defined]
+                        ((n.get("gpu") or {}).get("fast_path") or {}).get("plain", {}).items()}
+        rows.append((mem, f"{kind} ({path})", res))
+        say(mem, kind, path, res)
+        if kind != "stop":
+            cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
+        time.sleep(1)
+    time.sleep(2)
+    gmap = ["--gpu-map", a.restore_gpu_map] if a.restore_gpu_map else []
+    lines = log.read_text().count("\n")
+    t0 = time.monotonic()
+    restored = cli(env, "restore", "--detach", *gmap, str(rows[-1][2]["snapshot"]))
+    wait_lines(log, lines + 1, poll=0.005)
+    restored["first_step_s"] = round(time.monotonic() - t0, 2)
+    rows.append((mem, f"restore ({path})", restored))
+    say(mem, "restore", path, restored)
+    wait_lines(log, lines + 3)
+
+
+def say(mem: int, kind: str, path: str, res: dict[str, object]) -> None:
+    """One line per snapshot as it happens (the table comes at the end)."""
+    print(f"# {mem} MiB {path} {kind}: pause {res.get('pause_s')} first step {res.get('first_step_s')} "
+          f"phases {res.get('phases')}" + (f" plain path: {res['plain']}" if res.get("plain") else ""),
+          file=sys.stderr, flush=True)
+
+
+def end_job(tmp: Path, name: str) -> None:
+    """The job's processes and its agent killed, and the fast path's staging files (as large as the GPU
+    memory) removed, so that the next size starts clean."""
+    subprocess.run(["pkill", "-9", "-f", "--", f"--name {name}"], check=False)
+    job = tmp / "home" / "jobs" / name / "job.json"
+    if job.exists():
+        pid = json.loads(job.read_text()).get("state", {}).get("init_pid")
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+    from cryosleep.agent.job import JobDir
+    shutil.rmtree(JobDir(name, tmp / "home" / "jobs").devmem, ignore_errors=True)
+    time.sleep(1)
 
 
 def main() -> None:
@@ -49,53 +105,38 @@ def main() -> None:
     store = Path(tempfile.mkdtemp(prefix="cryosleep-bench-store-", dir=a.store_parent))
     env = dict(os.environ, CRYOSLEEP_HOME=str(tmp / "home"), CRYOSLEEP_STORE=str(store))
     from cryosleep import paths
-    from cryosleep.agent.job import JobDir
 
     env.setdefault("CRYOSLEEP_CRIU_ROOT", str(paths.criu_root()))
-    rows = []
+    rows: list[tuple[int, str, dict[str, object]]] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still gets the table printed
     try:
         for mem, path in [(m, x) for m in a.mem_mb for x in a.paths]:
             name = f"bench{mem}{path}"
-            flags = ["--fast-path"] if path == "fast" else []
-            if a.gpu:
-                job = [str(GPU_WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-gib", str(mem / 1024)]
-            else:
-                job = [str(WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem)]
-            cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), *flags, *job)
-            log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
-            wait_lines(log, 5)
-            for kind in ["keep-running"] * a.keep + ["stop"]:
-                res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []))
-                rows.append((mem, f"{kind} ({path})", res))
-                if kind != "stop":
-                    cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
-                time.sleep(1)
-            time.sleep(2)
-            gmap = ["--gpu-map", a.restore_gpu_map] if a.restore_gpu_map else []
-            lines = log.read_text().count("\n")
-            t0 = time.monotonic()
-            restored = cli(env, "restore", "--detach", *gmap, str(rows[-1][2]["snapshot"]))
-            wait_lines(log, lines + 1, poll=0.005)
-            restored["first_step_s"] = round(time.monotonic() - t0, 2)
-            rows.append((mem, f"restore ({path})", restored))
-            wait_lines(log, lines + 3)
-            subprocess.run(["pkill", "-9", "-f", "--", f"--name {name}"], check=False)
-            st = json.loads((tmp / "home" / "jobs" / name / "job.json").read_text())["state"]
-            os.kill(st["init_pid"], 9)
-            # its agent was killed too: the fast path's staging files (as large as the GPU memory) stay otherwise
-            shutil.rmtree(JobDir(name, tmp / "home" / "jobs").devmem, ignore_errors=True)
-            time.sleep(1)
+            try:
+                measure(a, env, tmp, name, mem, path, rows)
+            except SystemExit as e:  # a failed command: its row says why, the next size still runs
+                if e.code == 143:
+                    raise
+                rows.append((mem, f"failed ({path})", {"error": str(e.code)[-600:]}))
+                print(f"# {mem} MiB {path}: {str(e.code)[-600:]}", file=sys.stderr, flush=True)
+            finally:
+                end_job(tmp, name)
     finally:
         print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | s/GiB | phases (s) | image "
               "| workers' RSS |")
         print("|---|---|---|---|---|---|---|")
         for mem, kind, res in rows:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]
+            if kind.startswith("failed"):
+                print(f"| {mem} | {kind} | - | - | {res['error']} | - | - |".replace("\n", " "))
+                continue
             if kind.startswith("restore"):
                 per = f"{res['first_step_s'] / (mem / 1024):.3f}" if mem else "-"
                 print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | {per} | {phases} | - | - |")
                 continue
             per = f"{float(res['pause_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
+            if res.get("plain"):
+                kind += " (plain: " + "; ".join(f"rank {r}: {w}" for r, w in res["plain"].items()) + ")"  # type: ignore[attr-defined]
             print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {phases} | {int(res['bytes']) / 2**20:.0f} MiB "  # type: ignore[call-overload]
                   f"| {int(res['rss_bytes']) / 2**20:.0f} MiB |")  # type: ignore[call-overload]
         shutil.rmtree(tmp, ignore_errors=True)

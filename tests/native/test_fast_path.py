@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import re
 import subprocess
 import sys
 import textwrap
@@ -63,7 +64,9 @@ def gpalaunch():
     rc = gpa(b"cuLaunchKernel", ctypes.byref(fn), 12000, ctypes.c_ulonglong(0), None)
     launch = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3)(fn.value)
     out("gpalaunched", rc, launch(None, 1, 1, 1, 1, 1, 1, 0, None, None, None))
-def spin():
+def spin(name):
+    if name:  # the thread's name as the kernel shows it (/proc/self/task/TID/comm)
+        ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
     while spinning:
         pass
 out("ready", hex(p.value), hashlib.sha256(bytes(buf)).hexdigest())
@@ -79,7 +82,7 @@ for line in sys.stdin:
         threading.Thread(target=drvlaunch).start()
     elif cmd == "spin":
         spinning.append(1)
-        threading.Thread(target=spin).start()
+        threading.Thread(target=spin, args=(line[len("spin"):].strip(),)).start()
         out("spinning")
     elif cmd == "unspin":
         spinning.clear()
@@ -213,6 +216,7 @@ def test_a_thread_that_keeps_running_sends_the_rank_to_the_plain_path_untouched(
     worker.quiesce()
     refused = worker.driver.offload([0], time.monotonic() + 30)
     assert "kept running while the job was held" in refused[0], refused
+    assert re.search(r"\(python[\d.]*, state R, in syscall running, .* us of CPU in 3 ms\)", refused[0]), refused
     assert worker.block.state()[0] == State.QUIESCED and not worker.block.devmem.offloaded  # back for the plain path
     assert worker.protection() == "rw-s"
     assert worker.ask("unspin") == "unspun"
@@ -249,3 +253,18 @@ def test_a_worker_that_never_calls_nccl_gets_its_block_from_its_first_served_all
         w.block.close()
         w.proc.kill()
         w.proc.wait()
+
+
+def test_nccls_ras_thread_may_run_during_the_copy(worker: Worker) -> None:
+    """NCCL's RAS thread outlives the communicators and wakes every few hundred ms; it submits no GPU work. On
+    an H200 it made every copy of 24 GiB start again until the rank took the plain path: it is exempt by the
+    name NCCL gives it (NCCL_SET_THREAD_NAME=1, set by `cryosleep run --fast-path`)."""
+    assert worker.driver.prepare([0], time.monotonic() + 30) == {}
+    assert worker.ask("spin NCCL RAS") == "spinning"
+    worker.quiesce()
+    assert worker.driver.offload([0], time.monotonic() + 30) == {}
+    assert worker.block.devmem.offloaded and worker.protection() == "---p"
+    worker.driver.reload([0], time.monotonic() + 30)
+    assert worker.ask("unspin") == "unspun"
+    assert worker.ask("digest") == f"digest {worker.digest}"
+    worker.driver.resume()

@@ -485,10 +485,14 @@ static int dm_exempt(int tid, int self) {
   FILE* f = fopen(path, "re");
   if (f) {
     if (!fgets(name, sizeof name, f)) name[0] = 0;
+    name[strcspn(name, "\n")] = 0;
     fclose(f);
   }
-  /* the CUDA driver's own threads, and PyTorch's NCCL watchdog and heartbeat (they only poll events) */
-  return strncmp(name, "cuda", 4) == 0 || strncmp(name, "pt_nccl_", 8) == 0;
+  /* the CUDA driver's own threads, PyTorch's NCCL watchdog and heartbeat (they only poll events), and NCCL's
+   * RAS thread (process-wide, outlives the communicators; it serves RAS queries over sockets, waking from poll
+   * every few hundred ms, and submits no GPU work: on an H200 it made every 24 GiB copy start again). NCCL
+   * names its threads when NCCL_SET_THREAD_NAME=1, which `cryosleep run --fast-path` sets. */
+  return strncmp(name, "cuda", 4) == 0 || strncmp(name, "pt_nccl_", 8) == 0 || strcmp(name, "NCCL RAS") == 0;
 }
 
 static int dm_runnable(int tid) {
@@ -521,24 +525,46 @@ static int dm_sample(struct dm_thr* out, int self) {
   return n;
 }
 
-/* A thread of `after` that ran since `before` (or is new), or 0. */
-static int dm_ran(const struct dm_thr* before, int nb, const struct dm_thr* after, int na) {
+/* A thread of `after` that ran since `before` (or is new), or 0; `*ran_ns` its CPU time in between (-1: new). */
+static int dm_ran(const struct dm_thr* before, int nb, const struct dm_thr* after, int na, long long* ran_ns) {
   for (int i = 0; i < na; i++) {
     int j = 0;
     while (j < nb && before[j].tid != after[i].tid) j++;
-    if (j == nb || after[i].ns != before[j].ns || after[i].runnable) return after[i].tid;
+    if (j == nb || after[i].ns != before[j].ns || after[i].runnable) {
+      if (ran_ns) *ran_ns = j == nb ? -1 : (long long)(after[i].ns - before[j].ns);
+      return after[i].tid;
+    }
   }
   return 0;
 }
 
-static void dm_thread_name(int tid, char* name, size_t n) {
-  char path[64];
-  snprintf(path, sizeof path, "/proc/self/task/%d/comm", tid);
-  FILE* f = fopen(path, "re");
-  name[0] = 0;
-  if (f) {
-    if (fgets(name, (int)n, f)) name[strcspn(name, "\n")] = 0;
+/* "name, state S, in syscall 7, wchan do_poll, 12 us of CPU WHEN": what a refusal says of the thread that ran, so
+ * that it can be recognized (NCCL's threads are named when NCCL_SET_THREAD_NAME=1, which `cryosleep run` sets
+ * with the fast path). */
+static void dm_thread_desc(int tid, long long ran_ns, const char* when, char* out, size_t n) {
+  char path[64], name[32] = "", stat[512] = "", sc[64] = "", wchan[64] = "";
+  const char* files[] = {"comm", "stat", "syscall", "wchan"};
+  char* bufs[] = {name, stat, sc, wchan};
+  size_t sizes[] = {sizeof name, sizeof stat, sizeof sc, sizeof wchan};
+  for (int i = 0; i < 4; i++) {
+    snprintf(path, sizeof path, "/proc/self/task/%d/%s", tid, files[i]);
+    FILE* f = fopen(path, "re");
+    if (!f) continue;
+    size_t k = fread(bufs[i], 1, sizes[i] - 1, f);
+    bufs[i][k] = 0;
+    bufs[i][strcspn(bufs[i], "\n")] = 0;
     fclose(f);
+  }
+  const char* cp = strrchr(stat, ')');
+  char state = cp && cp[1] == ' ' ? cp[2] : '?';
+  sc[strcspn(sc, " ")] = 0; /* the syscall's number (or "running"); its arguments are not needed */
+  int k = snprintf(out, n, "%s, state %c, in syscall %s, wchan %s", name, state, sc[0] ? sc : "?",
+                   wchan[0] ? wchan : "?");
+  if (k > 0 && (size_t)k < n) {
+    if (ran_ns >= 0)
+      snprintf(out + k, n - (size_t)k, ", %lld us of CPU %s", ran_ns / 1000, when);
+    else
+      snprintf(out + k, n - (size_t)k, ", started %s", when);
   }
 }
 
@@ -556,17 +582,18 @@ static int dm_wait_quiet(struct dm_thr* a, int* na, struct dm_thr* b, int self, 
     nanosleep(&ts, NULL);
     int nb = dm_sample(b, self);
     if (*na < 0 || nb < 0) return snprintf(err, n, "OFFLOAD: /proc/self/task unreadable"), -1;
-    int tid = dm_ran(a, *na, b, nb);
+    long long ran_ns = 0;
+    int tid = dm_ran(a, *na, b, nb, &ran_ns);
     if (!tid) {
       memcpy(a, b, (size_t)nb * sizeof *b);
       *na = nb;
       return 0;
     }
     if (dm_now_ns() - t0 > 1000000000ull) {
-      char name[32];
-      dm_thread_name(tid, name, sizeof name);
+      char desc[192];
+      dm_thread_desc(tid, ran_ns, "in 3 ms", desc, sizeof desc);
       return snprintf(err, n, "OFFLOAD: thread %d (%s) kept running while the job was held: it may issue GPU "
-                      "work the interceptor does not see", tid, name), -1;
+                      "work the interceptor does not see", tid, desc), -1;
     }
   }
 }
@@ -620,6 +647,7 @@ int cs_dm_offload(char* err, size_t n) {
    * copy again once it is held or idle; a few tries, then the plain path. */
   uint64_t c0 = 0, c1 = 0;
   int tid = 0;
+  long long ran_ns = 0;
   CUresult r = 0;
   for (int attempt = 0; attempt < 3; attempt++) {
     if (dm_wait_quiet(a, &na, b, self, err, n) != 0) {
@@ -632,17 +660,17 @@ int cs_dm_offload(char* err, size_t n) {
     c1 = dm_now_ns();
     if (r) break;
     int nb = dm_sample(b, self);
-    if (!(tid = dm_ran(a, na, b, nb))) break;
+    if (!(tid = dm_ran(a, na, b, nb, &ran_ns))) break;
   }
   if (r || tid) {
-    char name[32] = "";
-    if (tid) dm_thread_name(tid, name, sizeof name);
+    char desc[192] = "";
+    if (tid) dm_thread_desc(tid, ran_ns, "during the copy", desc, sizeof desc);
     pthread_mutex_unlock(&dm_lock);
     dm_open_gate();
     if (r) return snprintf(err, n, "OFFLOAD: copying device memory out failed (CUDA error %d); nothing was "
                            "released", r), -1;
     return snprintf(err, n, "OFFLOAD: thread %d (%s) ran during each of 3 copies of device memory: no consistent "
-                    "copy, nothing was released", tid, name), -1;
+                    "copy, nothing was released", tid, desc), -1;
   }
   int bad = 0;
   for (size_t i = 0; i < dm_n; i++) {

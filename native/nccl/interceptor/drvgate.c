@@ -141,17 +141,17 @@ static void* gate_fn(const char* name, void* real) {
 static int (*real_gpa)(const char*, void**, int, unsigned long long);
 static int (*real_gpa2)(const char*, void**, int, unsigned long long, int*);
 
-static void* wrap(const char* name, void* p);
+static void* wrap(const char* name, void* p, int version);
 
 static int gpa(const char* s, void** pfn, int v, unsigned long long f) {
   int r = real_gpa(s, pfn, v, f);
-  if (r == 0 && s && pfn && *pfn) *pfn = wrap(s, *pfn);
+  if (r == 0 && s && pfn && *pfn) *pfn = wrap(s, *pfn, v);
   return r;
 }
 
 static int gpa2(const char* s, void** pfn, int v, unsigned long long f, int* status) {
   int r = real_gpa2(s, pfn, v, f, status);
-  if (r == 0 && s && pfn && *pfn) *pfn = wrap(s, *pfn);
+  if (r == 0 && s && pfn && *pfn) *pfn = wrap(s, *pfn, v);
   return r;
 }
 
@@ -159,22 +159,47 @@ static void* libcuda(void);
 int cuGetProcAddress(const char* s, void** pfn, int v, unsigned long long f);
 int cuGetProcAddress_v2(const char* s, void** pfn, int v, unsigned long long f, int* status);
 
-/* The driver's own function behind a lookup that may have found this library's export (RTLD_DEFAULT finds
- * ours first): never ours, or a wrapper would call itself. NULL while libcuda is not loaded. */
-static void* driver_own(const char* name, void* p) {
-  if (p != (void*)gpa && p != (void*)gpa2 && p != (void*)cuGetProcAddress && p != (void*)cuGetProcAddress_v2)
-    return p;
+/* The driver's own function behind a pointer that may be this library's (a lookup in the global scope finds
+ * our exports first, and so may the driver's own references to itself): never ours, or a wrapper would call
+ * itself. Ours maps to the driver's export of the same ABI. NULL while libcuda is not loaded. */
+static void* driver_own(void* p) {
+  const char* name = NULL;
+  if (p == (void*)gpa || p == (void*)cuGetProcAddress) name = "cuGetProcAddress";
+  if (p == (void*)gpa2 || p == (void*)cuGetProcAddress_v2) name = "cuGetProcAddress_v2";
+  if (!name) return p;
   return libcuda() ? cs_real_dlsym(libcuda(), name) : NULL;
 }
 
-static void* wrap(const char* name, void* p) {
-  if (strcmp(name, "cuGetProcAddress") == 0) {
-    if (!real_gpa) *(void**)&real_gpa = driver_own(name, p);
-    return real_gpa ? (void*)gpa : p;
-  }
-  if (strcmp(name, "cuGetProcAddress_v2") == 0) {
-    if (!real_gpa2) *(void**)&real_gpa2 = driver_own(name, p);
-    return real_gpa2 ? (void*)gpa2 : p;
+/* Which ABI a cuGetProcAddress pointer has. A lookup by symbol name (dlsym, version 0) has the name's: the
+ * export "cuGetProcAddress" takes four arguments, "cuGetProcAddress_v2" five. A lookup of the base name
+ * through cuGetProcAddress itself gets the newest ABI of the version asked for: from CUDA 12.0 on that is
+ * _v2 (the CUDA runtime asks exactly this: "cuGetProcAddress" at its own version), so the pointer is matched
+ * against the driver's two exports first and the version decides only when it is neither. */
+static int gpa_is_v2(const char* name, void* p, int version) {
+  if (strcmp(name, "cuGetProcAddress_v2") == 0) return 1;
+  if (version == 0) return 0;
+  void* h = libcuda();
+  if (h && p == cs_real_dlsym(h, "cuGetProcAddress_v2")) return 1;
+  if (h && p == cs_real_dlsym(h, "cuGetProcAddress")) return 0;
+  return version >= 12000;
+}
+
+static void* ungated(const char* name, void* p) {
+  if (!__atomic_exchange_n(&drv_full, 1, __ATOMIC_ACQ_REL))
+    cs_log("devmem: a second %s of the driver cannot be wrapped: the fast path is off in this process", name);
+  return p;
+}
+
+static void* wrap(const char* name, void* p, int version) {
+  if (strcmp(name, "cuGetProcAddress") == 0 || strcmp(name, "cuGetProcAddress_v2") == 0) {
+    void* real = driver_own(p);
+    if (!real) return p; /* libcuda not loaded: p is this library's export, which looks it up when called */
+    if (gpa_is_v2(name, real, version)) {
+      if (!real_gpa2) *(void**)&real_gpa2 = real;
+      return real_gpa2 == real ? (void*)gpa2 : ungated(name, p);
+    }
+    if (!real_gpa) *(void**)&real_gpa = real;
+    return real_gpa == real ? (void*)gpa : ungated(name, p);
   }
   return is_gated(name) ? gate_fn(name, p) : p;
 }
@@ -182,7 +207,7 @@ static void* wrap(const char* name, void* p) {
 void* dlsym(void* handle, const char* name) {
   if (handle == RTLD_NEXT || !drv_enabled()) return dlsym_next()(handle, name); /* a tail call: see above */
   void* p = cs_real_dlsym(handle, name);
-  return p ? wrap(name, p) : p;
+  return p ? wrap(name, p, 0) : p;
 }
 
 /* ---- direct links against libcuda.so.1 (exported under the driver's own names) ---- */

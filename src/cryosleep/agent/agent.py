@@ -91,6 +91,8 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         if spec.fast_path and devmem_dir is not None:
             env.setdefault("CRYOSLEEP_DEVMEM", "1")
             env["CRYOSLEEP_DEVMEM_DIR"] = str(devmem_dir)
+            # NCCL's threads named ("NCCL Progress", ...): a refused OFFLOAD names the thread that ran
+            env.setdefault("NCCL_SET_THREAD_NAME", "1")
     return env
 
 

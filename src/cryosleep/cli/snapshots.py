@@ -172,6 +172,13 @@ def cmd_show(a: argparse.Namespace) -> int:
                   + (f" ({undrained} with unacknowledged bytes after {n.outbound.get('waited_s', 0):g} s)"
                      if undrained else "")
                   + f", {len(n.outbound.get('kept', []))} kept (--outbound-keep/--outbound-reset)")
+        fast = n.gpu.get("fast_path") or {}
+        moved = {r: e for r, e in (fast.get("ranks") or {}).items() if e.get("image")}
+        if moved or fast.get("plain"):
+            size = human_bytes(sum(e["bytes"] for e in moved.values()))
+            plain = sorted(fast.get("plain", {}).items())
+            print(f"  fast path: ranks {sorted(moved, key=int)} moved {size} of device memory themselves"
+                  + "".join(f"; rank {r} took the plain path: {why}" for r, why in plain))
     print(phase_table(m.phases))
     return 0
 

@@ -82,10 +82,19 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
   if (f) ((void (*)(void**))f)(params); /* a "kernel" is a host function */
   return 0;
 }
-/* How a CUDA runtime finds the driver's functions (only the one the stand-in runtime asks for). */
+/* How a CUDA runtime finds the driver's functions (only those the stand-in runtime asks for). As the real
+ * driver does, a lookup of "cuGetProcAddress" gets the newest ABI of the version asked for: from 12.0 on, the
+ * five-argument _v2. */
+int cuGetProcAddress(const char* symbol, void** pfn, int version, unsigned long long flags);
 int cuGetProcAddress_v2(const char* symbol, void** pfn, int version, unsigned long long flags, int* status) {
-  (void)version, (void)flags;
-  *pfn = strcmp(symbol, "cuLaunchKernel") == 0 ? (void*)cuLaunchKernel : NULL;
+  (void)flags;
+  *pfn = NULL;
+  if (strcmp(symbol, "cuLaunchKernel") == 0) *pfn = (void*)cuLaunchKernel;
+  if (strcmp(symbol, "cuGetProcAddress") == 0)
+    *pfn = version >= 12000 ? (void*)cuGetProcAddress_v2 : (void*)cuGetProcAddress;
   if (status) *status = *pfn ? 0 : 1;
   return *pfn ? 0 : 500;
+}
+int cuGetProcAddress(const char* symbol, void** pfn, int version, unsigned long long flags) {
+  return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
 }

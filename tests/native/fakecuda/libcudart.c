@@ -26,15 +26,21 @@ int cudaMemcpy(void* dst, const void* src, size_t n, int kind) {
   return 0;
 }
 /* Launches through the driver, found as a real runtime finds it: dlopen libcuda, dlsym cuGetProcAddress_v2,
- * ask it for cuLaunchKernel. */
+ * ask it for "cuGetProcAddress" at the runtime's version (which is the five-argument ABI), and ask that for
+ * cuLaunchKernel: each answer must carry its status. */
 typedef int (*launch_fn)(const void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                          void**, void**);
+typedef int (*gpa2_fn)(const char*, void**, int, unsigned long long, int*);
 int cudaLaunchKernel(const void* f, struct dim3 g, struct dim3 b, void** a, size_t m, void* s) {
   static launch_fn launch;
   if (!launch) {
     void* h = dlopen("libcuda.so.1", RTLD_NOW);
-    int (*gpa)(const char*, void**, int, unsigned long long, int*) = h ? dlsym(h, "cuGetProcAddress_v2") : NULL;
-    if (!gpa || gpa("cuLaunchKernel", (void**)&launch, 12000, 0, NULL) != 0) return 3;
+    gpa2_fn first = h ? (gpa2_fn)dlsym(h, "cuGetProcAddress_v2") : NULL;
+    gpa2_fn gpa = NULL;
+    int status = -7;
+    if (!first || first("cuGetProcAddress", (void**)&gpa, 12000, 0, &status) != 0 || status != 0) return 3;
+    status = -7;
+    if (gpa("cuLaunchKernel", (void**)&launch, 12000, 0, &status) != 0 || status != 0) return 4;
   }
   launches++;
   return launch(f, g.x, g.y, g.z, b.x, b.y, b.z, (unsigned)m, s, a, NULL);
