@@ -350,6 +350,21 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     assert {"offload", "devmem", "verify", "end"} <= set(stop["phases"]) and "reload" not in stop["phases"]
     assert h.wait_end("fast") == 75
     assert not h.job("fast").devmem.exists()  # the agent removed the staging files with the job
+    # a device-memory file altered in the store: the restore's devmem phase checks it as it copies it (the
+    # verify phase leaves it to that copy) and refuses before CRIU runs, naming it; nothing is left behind
+    entry = h.cli_json("show", stop["snapshot"])["nodes"][0]["gpu"]["fast_path"]["ranks"]["1"]
+    image = Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / stop["snapshot"] / "nodes" / "0" / entry["image"]
+    with open(image, "r+b") as f:
+        f.seek(entry["bytes"] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x20]))
+    bad = h.cli_json("restore", "--detach", stop["snapshot"], check=False)
+    assert bad["error"] == "store_corrupt" and "devmem/rank-1.devmem: sha256" in bad["why"], bad
+    assert not Path(entry["stage_path"]).exists() and not h.job("fast").devmem.exists(), "staging left behind"
+    with open(image, "r+b") as f:
+        f.seek(entry["bytes"] // 2)
+        f.write(byte)
     restored = h.restore(stop["snapshot"])
     assert {"devmem", "reload", "rebuild"} <= set(restored["phases"]), restored["phases"]
     (tmp_path / "linger").touch()

@@ -19,11 +19,13 @@ NCCL rebuild), the restored job is killed: a half-restored job must not linger.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import signal
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,7 +39,7 @@ from cryosleep.cut.driver import Driver
 from cryosleep.errors import NotEligible, RestoreFailed, StoreCorrupt
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store.local import LocalStore
-from cryosleep.store.manifest import Manifest
+from cryosleep.store.manifest import FileEntry, Manifest
 from cryosleep.timing import Phases
 
 Progress = Callable[[str, str, float | None], None]
@@ -112,14 +114,10 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
     criu = criu_install.locate()
     with phases.phase("verify"):
         manifest = store.load(ref)
-        bad = store.verify(manifest.id)
+        devmem = devmem_files(manifest)  # checked as the devmem phase copies them: read once, not twice
+        bad = store.verify(manifest.id, skip=devmem)
         if bad:
-            raise StoreCorrupt(
-                f"snapshot {manifest.id} failed verification; nothing was restored",
-                "; ".join(bad[:8]) + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""),
-                "restore another snapshot (`cryosleep ls`) and remove this one (`cryosleep rm`)",
-                problems=bad,
-            )
+            raise corrupt(manifest.id, bad)
     spec = JobSpec.from_json(manifest.job)
     base = store.path_of(manifest.id)
     node = manifest.nodes[0]
@@ -145,7 +143,9 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
     fast = node.gpu.get("fast_path") or {}
     if fast.get("ranks"):
         with phases.phase("devmem"):
-            put_devmem(fast["ranks"], node_dir)
+            bad = put_devmem(fast["ranks"], node_dir, devmem)
+            if bad:
+                raise corrupt(manifest.id, bad)
     veths: list[tuple[str, str, str]] = []
     if spec.net:  # the job network: its bridge (and overlay) here; CRIU recreates the veth (docs/network.md)
         with phases.phase("network"):
@@ -186,20 +186,64 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
     return Restored(manifest, spec, init_pid, phases, veths[0][1] if veths else None)
 
 
-def put_devmem(ranks: dict[str, Any], node_dir: Path) -> None:
+def corrupt(sid: str, bad: list[str]) -> StoreCorrupt:
+    """The refusal of a snapshot whose files do not match its manifest."""
+    return StoreCorrupt(f"snapshot {sid} failed verification; nothing was restored",
+                        "; ".join(bad[:8]) + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""),
+                        "restore another snapshot (`cryosleep ls`) and remove this one (`cryosleep rm`)", problems=bad)
+
+
+def devmem_files(manifest: Manifest) -> dict[str, FileEntry]:
+    """The fast path's device-memory files of the manifest's node, by path relative to the snapshot."""
+    node = manifest.nodes[0]
+    names = {f"nodes/{node.node_rank}/{e['image']}" for e in ((node.gpu.get("fast_path") or {}).get("ranks") or {})
+             .values() if e.get("image")}
+    return {f.path: f for f in node.files if f.path in names}
+
+
+def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntry]) -> list[str]:
     """Every rank's fast-path staging file back at its path, at its size, before CRIU maps it again; for the
-    ranks whose device memory it held at the snapshot, with that content (RELOAD copies it to the GPU)."""
-    for entry in ranks.values():
+    ranks whose device memory it held at the snapshot, with that content (RELOAD copies it to the GPU), checked
+    against the manifest's SHA-256 as it is copied (``checks``: by path relative to the snapshot), the ranks in
+    parallel. Returns the problems found; with any, no staging file is left changed."""
+    base = node_dir.parent.parent
+    todo = list(ranks.values())
+
+    def put(entry: dict[str, Any]) -> tuple[Path, Path, str | None]:
         path = Path(entry["stage_path"])
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".cryosleep-restore")
-        with open(tmp, "wb") as dst:
-            if entry.get("image"):
-                with open(node_dir / entry["image"], "rb") as src:
-                    files.copy_prefix(src.fileno(), dst.fileno(), int(entry["bytes"]))
-            os.ftruncate(dst.fileno(), int(entry["stage_bytes"]))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
+        problem = None
+        if entry.get("image"):
+            src = node_dir / entry["image"]
+            rel = str(src.relative_to(base))
+            want = checks.get(rel)
+            size = src.stat().st_size if src.exists() else -1
+            if want is None:
+                problem = f"{rel}: not in the manifest's file list"
+            elif size != want.size or size < int(entry["bytes"]):
+                problem = f"{rel}: size {size}, expected {want.size} (missing, truncated or altered)"
+            else:
+                got = files.copy_hashed(str(src), tmp, want.size)
+                if got != want.sha256:
+                    problem = f"{rel}: sha256 {got[:16]}..., expected {want.sha256[:16]}... (altered)"
+        if problem is None:
+            with open(tmp, "ab") as dst:
+                os.ftruncate(dst.fileno(), int(entry["stage_bytes"]))
+            os.chmod(tmp, 0o600)
+        return path, tmp, problem
+
+    with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
+        done = list(pool.map(put, todo))
+    problems = [p for _, _, p in done if p]
+    for path, tmp, _ in done:
+        if problems:
+            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()  # only when empty: the directory this restore made
+        else:
+            os.replace(tmp, path)
+    return problems
 
 
 class Relay(Protocol):
