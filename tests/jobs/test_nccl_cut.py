@@ -348,6 +348,9 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     h.wait_step("fast", 10)
     stop = h.snapshot("fast", "--stop")
     assert {"offload", "devmem", "verify", "end"} <= set(stop["phases"]) and "reload" not in stop["phases"]
+    held = [p for p in stop["phases"] if p not in ("preflight", "prepare")]  # the job held all along (devmem too)
+    assert stop["phases"]["devmem"] >= 0.002, stop
+    assert abs(stop["pause_s"] - sum(stop["phases"][p] for p in held)) < 5e-4, stop
     assert h.wait_end("fast") == 75
     assert not h.job("fast").devmem.exists()  # the agent removed the staging files with the job
     # a device-memory file altered in the store: the restore's devmem phase checks it as it copies it (the

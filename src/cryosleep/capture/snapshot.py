@@ -330,7 +330,8 @@ class NodeCapture:
         manifest = self.manifest
         assert manifest is not None
         manifest.phases = self.phases.rounded()
-        keep = PAUSE if not self.stop else [*PAUSE, "checksum", "commit", "verify", "persist", "end"]
+        # a stop snapshot holds the job until it is safe: the device memory's copy into the image counts too
+        keep = PAUSE if not self.stop else [*PAUSE, "devmem", "checksum", "commit", "verify", "persist", "end"]
         manifest.pause_s = round(self.phases.total(keep), 4)
         _rewrite_manifest(self.store, manifest)
         return manifest
