@@ -327,6 +327,7 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     for k, v in (("FAKE_CUDART", str(cudart)), ("LD_LIBRARY_PATH", libs)):
         monkeypatch.setitem(h.env, k, v)  # the job's
         monkeypatch.setenv(k, v)  # the reference run's
+    monkeypatch.setitem(h.env, "CRYOSLEEP_DEVMEM_PIECE", str(1 << 20))  # images in pieces of 1 MiB, not 1 GiB
     script = workload("nccl_devmem")
     args = lingering(tmp_path, 40)
     h.run("fast", script, args, flags=("--fast-path",))
@@ -341,9 +342,12 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     shown = h.cli_json("show", keep["snapshot"])
     fast = shown["nodes"][0]["gpu"]["fast_path"]
     assert sorted(fast["ranks"]) == ["0", "1"] and fast["plain"] == {}
+    node = Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / keep["snapshot"] / "nodes" / "0"
     for entry in fast["ranks"].values():
-        image = Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / keep["snapshot"] / "nodes" / "0" / entry["image"]
-        assert image.stat().st_size == entry["bytes"] >= 2 << 20 and entry["stage_path"].startswith("/dev/shm/")
+        pieces = entry["pieces"]
+        assert len(pieces) >= 2 and [x["offset"] for x in pieces] == [i << 20 for i in range(len(pieces))], pieces
+        assert sum((node / x["image"]).stat().st_size for x in pieces) == entry["bytes"] >= 2 << 20
+        assert entry["stage_path"].startswith("/dev/shm/")
         assert entry["stage_path"] not in {f["path"] for f in shown["nodes"][0]["staged"]}  # not copied in the freeze
     h.wait_step("fast", 10)
     stop = h.snapshot("fast", "--stop")
@@ -356,17 +360,18 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     # a device-memory file altered in the store: the restore's devmem phase checks it as it copies it (the
     # verify phase leaves it to that copy) and refuses before CRIU runs, naming it; nothing is left behind
     entry = h.cli_json("show", stop["snapshot"])["nodes"][0]["gpu"]["fast_path"]["ranks"]["1"]
-    image = Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / stop["snapshot"] / "nodes" / "0" / entry["image"]
+    piece = entry["pieces"][1]
+    image = Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / stop["snapshot"] / "nodes" / "0" / piece["image"]
     with open(image, "r+b") as f:
-        f.seek(entry["bytes"] // 2)
+        f.seek(piece["bytes"] // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x20]))
     bad = h.cli_json("restore", "--detach", stop["snapshot"], check=False)
-    assert bad["error"] == "store_corrupt" and "devmem/rank-1.devmem: sha256" in bad["why"], bad
+    assert bad["error"] == "store_corrupt" and f"{piece['image']}: sha256" in bad["why"], bad
     assert not Path(entry["stage_path"]).exists() and not h.job("fast").devmem.exists(), "staging left behind"
     with open(image, "r+b") as f:
-        f.seek(entry["bytes"] // 2)
+        f.seek(piece["bytes"] // 2)
         f.write(byte)
     restored = h.restore(stop["snapshot"])
     assert {"devmem", "reload", "rebuild"} <= set(restored["phases"]), restored["phases"]

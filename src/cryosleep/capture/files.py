@@ -80,22 +80,38 @@ def writable_files(root_pid: int) -> list[str]:
     return scan(root_pid).staged
 
 
-def copy_hashed(src: str, dst: Path, size: int, block: int = 8 << 20) -> str:
-    """Copy the first ``size`` bytes of file ``src`` to ``dst`` and return their SHA-256 (one read)."""
+def copy_workers(n: int) -> int:
+    """Threads for ``n`` independent copies of large files (hashlib and file I/O release the GIL)."""
+    return max(1, min(n, 16, max(2, os.cpu_count() or 2)))
+
+
+def copy_hashed(src: str | Path, dst: Path, size: int, block: int = 8 << 20, *, src_off: int = 0,
+                dst_off: int | None = None) -> str:
+    """Copy ``size`` bytes of file ``src`` from ``src_off`` to ``dst`` and return their SHA-256 (one read).
+    ``dst_off`` None: ``dst`` is created (truncated) and written from its start; else the bytes go at that
+    offset of the existing file ``dst`` (several threads may fill one file so, each its own range)."""
     h = hashlib.sha256()
-    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
-        buf = bytearray(block)
-        view = memoryview(buf)
-        left = size
-        while left > 0:
-            n = fin.readinto(view[:min(block, left)])
-            if not n:
-                raise OSError(errno.EIO, f"{src} ended {left} bytes early")
-            h.update(view[:n])
-            done = 0
-            while done < n:  # an unbuffered write may be short
-                done += fout.write(view[done:n]) or 0
-            left -= n
+    fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if dst_off is None else 0)
+        fout = os.open(dst, flags, 0o600)
+        try:
+            buf = bytearray(block)
+            view = memoryview(buf)
+            pos_in, pos_out, left = src_off, dst_off or 0, size
+            while left > 0:
+                n = os.preadv(fin, [view[:min(block, left)]], pos_in)
+                if not n:
+                    raise OSError(errno.EIO, f"{src} ended {left} bytes early")
+                h.update(view[:n])
+                done = 0
+                while done < n:  # a write may be short
+                    done += os.pwrite(fout, view[done:n], pos_out + done)
+                pos_in, pos_out, left = pos_in + n, pos_out + n, left - n
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
     return h.hexdigest()
 
 

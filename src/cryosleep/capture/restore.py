@@ -193,50 +193,67 @@ def corrupt(sid: str, bad: list[str]) -> StoreCorrupt:
                         "restore another snapshot (`cryosleep ls`) and remove this one (`cryosleep rm`)", problems=bad)
 
 
+def devmem_pieces(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """A rank's device-memory image: its pieces (image path relative to the node, offset, bytes); a
+    snapshot taken before images were cut into pieces has one file."""
+    if not entry.get("image"):
+        return []
+    return list(entry.get("pieces") or [{"image": entry["image"], "offset": 0, "bytes": int(entry["bytes"])}])
+
+
 def devmem_files(manifest: Manifest) -> dict[str, FileEntry]:
     """The fast path's device-memory files of the manifest's node, by path relative to the snapshot."""
     node = manifest.nodes[0]
-    names = {f"nodes/{node.node_rank}/{e['image']}" for e in ((node.gpu.get("fast_path") or {}).get("ranks") or {})
-             .values() if e.get("image")}
+    ranks = ((node.gpu.get("fast_path") or {}).get("ranks") or {}).values()
+    names = {f"nodes/{node.node_rank}/{x['image']}" for e in ranks for x in devmem_pieces(e)}
     return {f.path: f for f in node.files if f.path in names}
 
 
 def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntry]) -> list[str]:
     """Every rank's fast-path staging file back at its path, at its size, before CRIU maps it again; for the
-    ranks whose device memory it held at the snapshot, with that content (RELOAD copies it to the GPU), checked
-    against the manifest's SHA-256 as it is copied (``checks``: by path relative to the snapshot), the ranks in
-    parallel. Returns the problems found; with any, no staging file is left changed."""
+    ranks whose device memory it held at the snapshot, with that content (RELOAD copies it to the GPU), each
+    piece checked against the manifest's SHA-256 as it is copied (``checks``: by path relative to the
+    snapshot), all pieces of all ranks in parallel. Returns the problems found; with any, no staging file is
+    left changed."""
     base = node_dir.parent.parent
-    todo = list(ranks.values())
-
-    def put(entry: dict[str, Any]) -> tuple[Path, Path, str | None]:
+    tmps: list[tuple[Path, Path]] = []
+    todo: list[tuple[Path, dict[str, Any]]] = []
+    problems: list[str] = []
+    for entry in ranks.values():
         path = Path(entry["stage_path"])
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".cryosleep-restore")
-        problem = None
-        if entry.get("image"):
-            src = node_dir / entry["image"]
-            rel = str(src.relative_to(base))
-            want = checks.get(rel)
-            size = src.stat().st_size if src.exists() else -1
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, int(entry["stage_bytes"]))
+        finally:
+            os.close(fd)
+        tmps.append((path, tmp))
+        for piece in devmem_pieces(entry):
+            want = checks.get(str((node_dir / piece["image"]).relative_to(base)))
             if want is None:
-                problem = f"{rel}: not in the manifest's file list"
-            elif size != want.size or size < int(entry["bytes"]):
-                problem = f"{rel}: size {size}, expected {want.size} (missing, truncated or altered)"
-            else:
-                got = files.copy_hashed(str(src), tmp, want.size)
-                if got != want.sha256:
-                    problem = f"{rel}: sha256 {got[:16]}..., expected {want.sha256[:16]}... (altered)"
-        if problem is None:
-            with open(tmp, "ab") as dst:
-                os.ftruncate(dst.fileno(), int(entry["stage_bytes"]))
-            os.chmod(tmp, 0o600)
-        return path, tmp, problem
+                problems.append(f"{(node_dir / piece['image']).relative_to(base)}: not in the manifest's file list")
+            todo.append((tmp, piece))
 
-    with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
-        done = list(pool.map(put, todo))
-    problems = [p for _, _, p in done if p]
-    for path, tmp, _ in done:
+    def put(job: tuple[Path, dict[str, Any]]) -> str | None:
+        tmp, piece = job
+        src = node_dir / piece["image"]
+        rel = str(src.relative_to(base))
+        want = checks.get(rel)
+        if want is None:
+            return None  # said above
+        size = src.stat().st_size if src.exists() else -1
+        if size != want.size or size != int(piece["bytes"]):
+            return f"{rel}: size {size}, expected {want.size} (missing, truncated or altered)"
+        got = files.copy_hashed(src, tmp, size, dst_off=int(piece["offset"]))
+        if got != want.sha256:
+            return f"{rel}: sha256 {got[:16]}..., expected {want.sha256[:16]}... (altered)"
+        return None
+
+    if not problems:
+        with ThreadPoolExecutor(max_workers=files.copy_workers(len(todo))) as pool:
+            problems = [p for p in pool.map(put, todo) if p]
+    for path, tmp in tmps:
         if problems:
             tmp.unlink(missing_ok=True)
             with contextlib.suppress(OSError):

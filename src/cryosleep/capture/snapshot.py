@@ -412,16 +412,27 @@ def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.
 
 
 DEVMEM_DIR = "devmem"
+DEVMEM_PIECE = 1 << 30  # each rank's device memory is imaged in pieces of this size, copied and hashed in parallel
+
+
+def devmem_piece_size() -> int:
+    """The piece size (``$CRYOSLEEP_DEVMEM_PIECE`` bytes, for tests; else 1 GiB)."""
+    try:
+        return max(4096, int(os.environ.get("CRYOSLEEP_DEVMEM_PIECE") or DEVMEM_PIECE))
+    except ValueError:
+        return DEVMEM_PIECE
 
 
 def save_devmem(nccl: Driver, fast: list[int], skipped: dict[int, str], node_dir: Path,
                 digests: dict[str, str]) -> dict[str, Any]:
-    """Each offloaded rank's staging file (its device memory) copied into the image, hashed as it is copied
-    (into ``digests``, image-relative path -> SHA-256, so the checksum does not read it again), the ranks in
-    parallel; and what a restore needs to put every rank's staging file back before CRIU maps it again
-    (docs/interceptor.md, "The fast path")."""
+    """Each offloaded rank's staging file (its device memory) copied into the image in pieces
+    (``devmem/rank-R.devmem.NNN``, 1 GiB each), every piece hashed as it is copied (into ``digests``,
+    image-relative path -> SHA-256, so the checksum does not read it again), all pieces in parallel; and what
+    a restore needs to put every rank's staging file back before CRIU maps it again (docs/interceptor.md,
+    "The fast path")."""
     ranks: dict[str, Any] = {}
-    todo: list[tuple[str, Path, int]] = []
+    todo: list[tuple[str, Path, int, int]] = []
+    piece = devmem_piece_size()
     for r, b in nccl.blocks.items():
         dm = b.devmem
         if not dm.stage_path:
@@ -429,16 +440,20 @@ def save_devmem(nccl: Driver, fast: list[int], skipped: dict[int, str], node_dir
         entry: dict[str, Any] = {"stage_path": dm.stage_path, "stage_bytes": dm.stage_bytes, "image": None,
                                  "bytes": 0}
         if r in fast:
-            rel = f"{DEVMEM_DIR}/rank-{r}.devmem"
-            todo.append((dm.stage_path, node_dir / rel, dm.offload_bytes))
-            entry.update(image=rel, bytes=dm.offload_bytes, offload_s=round(dm.offload_s, 4))
+            total = dm.offload_bytes
+            name = f"{DEVMEM_DIR}/rank-{r}.devmem"
+            pieces: list[dict[str, Any]] = [{"image": f"{name}.{i:03d}", "offset": o, "bytes": min(piece, total - o)}
+                                            for i, o in enumerate(range(0, total, piece))]
+            pieces = pieces or [{"image": f"{name}.000", "offset": 0, "bytes": 0}]
+            todo += [(dm.stage_path, node_dir / x["image"], x["offset"], x["bytes"]) for x in pieces]
+            entry.update(image=pieces[0]["image"], pieces=pieces, bytes=total, offload_s=round(dm.offload_s, 4))
         ranks[str(r)] = entry
     if todo:
         (node_dir / DEVMEM_DIR).mkdir(exist_ok=True)
-        with ThreadPoolExecutor(max_workers=len(todo)) as pool:
-            sums = list(pool.map(lambda t: files.copy_hashed(*t), todo))
+        with ThreadPoolExecutor(max_workers=files.copy_workers(len(todo))) as pool:
+            sums = list(pool.map(lambda t: files.copy_hashed(t[0], t[1], t[3], src_off=t[2]), todo))
         base = node_dir.parent.parent  # the snapshot's directory: the manifest's paths are relative to it
-        digests.update({str(dst.relative_to(base)): h for (_, dst, _), h in zip(todo, sums, strict=True)})
+        digests.update({str(dst.relative_to(base)): h for (_, dst, _, _), h in zip(todo, sums, strict=True)})
     return {"ranks": ranks, "plain": {str(r): why for r, why in skipped.items()}}
 
 

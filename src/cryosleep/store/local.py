@@ -206,7 +206,7 @@ class LocalStore:
                 return f"{f.path}: sha256 {actual[:16]}..., expected {f.sha256[:16]}... (altered)"
             return None
 
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        with ThreadPoolExecutor(max_workers=max(4, min(16, os.cpu_count() or 4))) as pool:  # large files: I/O, hashlib
             for problem in pool.map(check, entries):
                 if problem:
                     problems.append(problem)
