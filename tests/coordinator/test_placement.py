@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from cryosleep.cli.host_cmd import HostDaemon, underlay_towards
+from cryosleep.cli.host_cmd import HostDaemon
 from cryosleep.cli.main import main
 from cryosleep.coordinator import placement
+from cryosleep.coordinator.client import underlay_towards
 from cryosleep.errors import Busy, NotEligible
 from tests.coordinator.helpers import Env
 

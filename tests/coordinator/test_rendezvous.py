@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -159,3 +160,43 @@ def test_a_node_that_passed_an_earlier_attempt_does_not_pass_a_retry_for_it(env:
     with pytest.raises(NotEligible, match="not every node came") as e:
         retry.barrier(3)
     assert "[0]" in e.value.why
+
+
+# ---- the job network's peers, learned on the run's board (agent/coordinated.py's NetPeers) -------------------
+
+def net_peers(env: Env, run: str, rank: int, nnodes: int, ip: str, apply: Any) -> coordinated.NetPeers:
+    n = coordinated.NetPeers(env.client(), run, rank, nnodes, ip, apply, lambda _m: None)
+    n.wait_s = 0.0
+    return n
+
+
+def test_run_nodes_learn_each_others_underlay_and_drop_one_that_stopped_posting(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    applied: dict[int, list[list[str]]] = {0: [], 1: [], 2: []}
+    nodes = [net_peers(env, "run1", r, 3, f"10.9.0.{r + 1}", applied[r].append) for r in range(3)]
+    assert nodes[0].step() is False and applied[0] == [[]]  # alone on the board: no peer yet, told once
+    assert nodes[1].step() is False and applied[1] == [["10.9.0.1"]]
+    assert nodes[0].step() is False and applied[0] == [[], ["10.9.0.2"]]  # node 1 came: added
+    assert nodes[2].step() is True and applied[2] == [["10.9.0.1", "10.9.0.2"]]
+    assert nodes[0].step() is True and applied[0][-1] == ["10.9.0.2", "10.9.0.3"]
+    assert nodes[0].step() is True and len(applied[0]) == 3  # no change: the overlay is left alone
+    other = net_peers(env, "run2", 0, 2, "10.9.1.1", lambda _p: None)
+    assert other.round() == ([], 0)  # another run's board
+    same = net_peers(env, "run2", 1, 2, "10.9.1.1", lambda _p: None)
+    assert same.step() is True and same.applied == []  # the other node is on this host: no overlay peer needed
+    monkeypatch.setattr(coordinated, "NET_FRESH_S", 0.3)  # node 2 stops posting (its job ended, say)
+    time.sleep(0.5)
+    nodes[1].round()
+    assert nodes[0].step() is False and applied[0][-1] == ["10.9.0.2"]
+    monkeypatch.setattr(coordinated, "NET_FRESH_S", 35.0)  # it comes back on another host
+    node2 = net_peers(env, "run1", 2, 3, "10.9.2.7", applied[2].append)
+    assert node2.step() is True and nodes[0].step() is True and applied[0][-1] == ["10.9.0.2", "10.9.2.7"]
+
+
+def test_the_restore_barrier_hands_each_node_the_others_underlay(env: Env) -> None:
+    rvs = [RestoreRendezvous(env.client(), "snapnet", r, 2, 20.0, underlay=f"10.9.3.{r + 1}") for r in range(2)]
+    threads = [barrier_in_thread(rv) for rv in rvs]
+    for t, out in threads:
+        t.join(30)
+        assert out == [None], out
+    assert rvs[0].peers == ["10.9.3.2"] and rvs[1].peers == ["10.9.3.1"]

@@ -60,16 +60,17 @@ class HostHarness(Harness):
     def run_node(self, name: str, rank: int, port: int, coordinator: str) -> dict[str, Any]:
         out: dict[str, Any] = self.cli_json(
             "run", "--detach", "--name", name, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-            "--master-port", str(port), "--run-id", f"{name}-run", "--net", "job", "--net-peers", self.peer,
+            "--master-port", str(port), "--run-id", f"{name}-run", "--net", "job",  # no --net-peers: learned
             "--coordinator", coordinator, str(workload("ddp_basic")), *ARGS)
         return out
 
     def coordinator(self, *args: str) -> Any:
         return json.loads(self.cli("coordinator", *args, "--json").stdout)
 
-    def restore_here(self, sid: str, node: int, *extra: str) -> dict[str, Any]:
-        out: dict[str, Any] = self.cli_json("restore", "--detach", "--net-peers", self.peer, "--node-rank", str(node),
-                                            *extra, sid)
+    def restore_here(self, sid: str, node: int, *extra: str, peers: bool = True) -> dict[str, Any]:
+        """``peers``: --net-peers given; else the overlay's peers are learned at the restore's barrier."""
+        given = ["--net-peers", self.peer] if peers else []
+        out: dict[str, Any] = self.cli_json("restore", "--detach", *given, "--node-rank", str(node), *extra, sid)
         return out
 
 
@@ -123,10 +124,10 @@ def start_host_daemon(h: HostHarness, name: str, url: str) -> subprocess.Popen[s
     return p
 
 
-def restore_pair(sid: str, node0_on: HostHarness, node1_on: HostHarness, *extra: str) -> None:
+def restore_pair(sid: str, node0_on: HostHarness, node1_on: HostHarness, *extra: str, peers: bool = True) -> None:
     """Both nodes' restores at once: each waits at the coordinator's barrier for the other."""
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda a: a[0].restore_here(sid, a[1], *extra), ((node0_on, 0), (node1_on, 1))))
+        list(pool.map(lambda a: a[0].restore_here(sid, a[1], *extra, peers=peers), ((node0_on, 0), (node1_on, 1))))
 
 
 def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHarness, HostHarness],
@@ -144,7 +145,10 @@ def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHa
         net = job_net("mn-run", 0, 2)
         assert spec.net["address"] == net.address and spec.master_addr == net.address
         assert spec.coordinator == url and "CRYOSLEEP_COORDINATOR_TOKEN" not in spec.env
-        ha.wait_step("mn.node0", 8)
+        ha.wait_step("mn.node0", 8)  # the ranks of both hosts met over the overlay: its peers were learned
+        assert Host(ha.ns_pid).overlay_peers(net) == [UNDERLAY[1]] and Host(hb.ns_pid).overlay_peers(net) == [
+            UNDERLAY[0]]
+        assert "overlay peers 10." in ha.job("mn.node0").agent_log.read_text()
         nodes = ha.coordinator("job", "mn")["nodes"]
         assert sorted((n["node_rank"], n["address"]) for n in nodes) == [(0, net.address),
                                                                          (1, job_net("mn-run", 1, 2).address)]
@@ -185,8 +189,10 @@ def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHa
         ref = reference(workload("ddp_basic"), ARGS, nproc=4)
         assert_identical(ha, ref)
 
-        # the older, keep-running snapshot, restored after the job ended (back on their own hosts this time)
-        restore_pair(keep["snapshot"], ha, hb)
+        # the older, keep-running snapshot, restored after the job ended (back on their own hosts this time, by
+        # hand, each node learning the other's address at the restore's barrier)
+        restore_pair(keep["snapshot"], ha, hb, peers=False)
+        assert Host(ha.ns_pid).overlay_peers(net) == [UNDERLAY[1]]
         assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
         assert_identical(ha, ref)
     finally:

@@ -29,7 +29,7 @@ from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.agent.watchdog import Watchdog
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
-from cryosleep.coordinator.client import AgentRunner, CoordinatorClient
+from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, underlay_towards
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
@@ -184,6 +184,13 @@ class Agent:
         self.runner: AgentRunner | None = None
         self.watchdog: Watchdog | None = None
         self.ended_by: str | None = None  # why the coordinator ended the job, if it did
+        self.net_watch: coordinated.NetPeers | None = None  # overlay peers learned from the coordinator
+        self.underlay = ""  # this host's address for them (where its route to the coordinator leaves from)
+
+    def learns_peers(self) -> bool:
+        """A multi-node job on the job network with a coordinator and no --net-peers: the overlay's peers are
+        learned from the coordinator (coordinated.NetPeers)."""
+        return bool(self.spec.net) and self.spec.nnodes > 1 and not self.net_peers and self.coordinator is not None
 
     def end_job(self, detail: str) -> None:
         """Ends the job's workers now (the coordinator's ``end``); the job is recorded failed with ``detail``."""
@@ -277,10 +284,12 @@ class Agent:
         caller tells the other nodes when this fails: ``RestoreRendezvous.failed``)."""
         become_subreaper()
 
-        def before_criu(manifest: Any) -> None:
+        def before_criu(manifest: Any) -> list[str] | None:
             self.lock_fd = self.job.take_lock()
-            if rendezvous is not None:
-                rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
+            if rendezvous is None:
+                return None
+            rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
+            return rendezvous.peers  # the other nodes' underlay addresses: the overlay before the rebuild
 
         restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
                                            progress=progress, before_criu=before_criu, gpu_map=gpu_map,
@@ -320,6 +329,13 @@ class Agent:
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         if self.coordinator is not None:
             self.runner = coordinated.connect(self, *self.coordinator)
+        if self.learns_peers():
+            assert self.coordinator is not None
+            net = self.spec.net
+            self.net_watch = coordinated.NetPeers(
+                CoordinatorClient(*self.coordinator), self.spec.run_id, self.spec.node_rank, self.spec.nnodes,
+                self.underlay or underlay_towards(self.coordinator[0]), lambda p: net_sandbox.set_peers(net, p),
+                self.log_line).start()
         init = self.state.init_pid
         status = 0
         try:

@@ -67,6 +67,8 @@ FENCE_GRACE_S = 180.0  # past a snapshot's deadline by this much, a node still a
 FENCE_QUIET_S = 30.0  # ... provided its coordinator has sent it nothing for this long
 FENCE_ENV = "CRYOSLEEP_FENCE_GRACE_S"
 RESTORE_GEN_MARGIN = 16  # the restore's REBUILD generation: this far above any generation the images hold
+NET_REPOST_S = 10.0  # a node of a multi-node run posts its underlay address this often (NetPeers)
+NET_FRESH_S = 35.0  # ... and the other nodes count it as a peer while it is younger than this
 
 
 def job_name(spec_name: str, nnodes: int, node_rank: int) -> str:
@@ -510,22 +512,24 @@ class RestoreRendezvous:
     earlier, failed attempt left on the board is never taken."""
 
     def __init__(self, client: CoordinatorClient, sid: str, node_rank: int, nnodes: int, timeout: float,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, underlay: str = "") -> None:
         self.client = client
         self.sid = sid
         self.node_rank = node_rank
         self.nnodes = nnodes
         self.timeout = timeout
         self.log = log or (lambda _m: None)
+        self.underlay = underlay  # this host's address for the job network's overlay, told to the other nodes
         self.token = secrets.token_hex(8)
         self.started = time.monotonic()
         self.stage = "checks"  # then "barrier" (a failure there withdraws this node itself), then "passed"
         self.attempt = ""
         self.gen = 0
+        self.peers: list[str] = []  # the other nodes' underlay addresses, once the barrier passed
 
     def _entry(self, ok: bool | None, problems: list[str], gen: int, **extra: Any) -> dict[str, Any]:
         return {f"ready/{self.node_rank}": {"ok": ok, "problems": problems, "gen": gen, "token": self.token,
-                                            "host": socket.gethostname(), **extra}}
+                                            "host": socket.gethostname(), "underlay": self.underlay, **extra}}
 
     def _post(self, put: dict[str, Any], what: str) -> None:
         try:
@@ -580,6 +584,8 @@ class RestoreRendezvous:
                 tokens = sorted(v["token"] for v in ready.values())
                 self.attempt = hashlib.sha256(" ".join(tokens).encode()).hexdigest()[:16]
                 self.gen = max(int(v.get("gen") or 0) for v in ready.values()) + RESTORE_GEN_MARGIN
+                self.peers = sorted({str(v["underlay"]) for k, v in ready.items()
+                                     if k != f"ready/{self.node_rank}" and v.get("underlay")} - {self.underlay})
                 self.stage = "passed"
                 # from now on this entry counts only for the nodes this one passed with
                 self._post(self._entry(True, [], gen, passed=tokens), "this one passed the barrier")
@@ -631,3 +637,70 @@ class RestoreRendezvous:
             if missing and len(items) >= len(uids) + len(need):
                 time.sleep(0.2)  # other nodes' ids filled the count, not ours: do not spin on the board
         return got
+
+
+def net_board(run_id: str) -> str:
+    """The coordinator's board where the nodes of one multi-node run post their underlay addresses."""
+    return f"net-{run_id}"
+
+
+class NetPeers:
+    """The job network's overlay peers, learned from the coordinator (``run --nnodes N --coordinator URL --net
+    job`` without ``--net-peers``). For the life of the agent, this node posts its underlay address (where its
+    route to the coordinator leaves from) on its run's board every NET_REPOST_S, reads the other nodes', and
+    makes the overlay flood to those posted within NET_FRESH_S: a node that starts late is added when it comes,
+    one restored on another host is followed there, one that ended is dropped. The workers meanwhile start
+    and retry their first connection (TCPStore) until the overlay reaches the master's node."""
+
+    def __init__(self, client: CoordinatorClient, run_id: str, node_rank: int, nnodes: int, underlay: str,
+                 apply: Callable[[list[str]], None], log: Callable[[str], None]) -> None:
+        self.client = client
+        self.board = net_board(run_id)
+        self.key = f"underlay/{node_rank}"
+        self.nnodes = nnodes
+        self.underlay = underlay
+        self.apply = apply
+        self.log = log
+        self.applied: list[str] | None = None
+        self.stopped = threading.Event()
+        self.wait_s = 5.0  # a round waits this long for every node's entry
+
+    def round(self) -> tuple[list[str], int]:
+        """Post this node's address; return the other nodes' addresses (those posted within NET_FRESH_S; one on
+        this host, with this host's address, needs no overlay) and how many other nodes posted, waiting a few
+        seconds for every node's entry."""
+        items = self.client.rendezvous(self.board, {self.key: {"ip": self.underlay, "host": socket.gethostname()}},
+                                       prefix="underlay/", min_keys=self.nnodes, wait_s=self.wait_s)
+        fresh = {k: str(v["value"].get("ip")) for k, v in items.items()
+                 if k != self.key and v["age_s"] <= NET_FRESH_S and v["value"].get("ip")}
+        return sorted(set(fresh.values()) - {self.underlay}), len(fresh)
+
+    def step(self) -> bool:
+        """One round, the overlay updated if the peers changed; True once every other node posted."""
+        peers, heard = self.round()
+        if peers != self.applied:
+            self.apply(peers)
+            self.log(f"job network: overlay peers {', '.join(peers) or 'none'} ({heard} of {self.nnodes - 1} other "
+                     "node(s) told their address to the coordinator; those on this host need none)")
+            self.applied = peers
+        return heard >= self.nnodes - 1
+
+    def _loop(self) -> None:
+        said = ""
+        while not self.stopped.is_set():
+            try:
+                complete = self.step()
+                said = ""
+            except CryosleepError as e:  # coordinator away, ip failing: say it once, keep trying
+                if e.what != said:
+                    self.log(f"job network: cannot update the overlay peers: {e.what}: {e.why}")
+                    said = e.what
+                complete = False
+            self.stopped.wait(NET_REPOST_S if complete else 1.0)
+
+    def start(self) -> NetPeers:
+        threading.Thread(target=self._loop, name="net-peers", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()

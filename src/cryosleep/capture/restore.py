@@ -108,8 +108,11 @@ def gpu_pairs(captured: list[dict[str, Any]], here: list[cuda.Gpu], gpu_map: lis
 
 
 def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600.0,
-            progress: Progress | None = None, before_criu: Callable[[Manifest], None] | None = None,
+            progress: Progress | None = None, before_criu: Callable[[Manifest], Sequence[str] | None] | None = None,
             gpu_map: list[int] | None = None, net_peers: Sequence[str] = (), relay: Relay | None = None) -> Restored:
+    """Restore snapshot ``ref`` (one node's image) here. ``before_criu``: called once the checks
+    passed, before anything is changed; it may return the job network's overlay peers it learned (a multi-node
+    restore's barrier), used when ``net_peers`` is empty."""
     phases = Phases(progress)
     criu = criu_install.locate()
     with phases.phase("verify"):
@@ -137,7 +140,8 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
                 problems=problems,
             )
         if before_criu:
-            before_criu(manifest)
+            learned = before_criu(manifest)
+            net_peers = net_peers or learned or ()
     with phases.phase("files"):
         files.restore(node.staged, node_dir / "files")
     fast = node.gpu.get("fast_path") or {}

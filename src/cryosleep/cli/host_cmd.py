@@ -23,7 +23,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from cryosleep import __version__
 from cryosleep.coordinator import client
@@ -52,18 +51,6 @@ def add_host(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    f"or the token itself in ${client.ENV_TOKEN})")
     s.add_argument("--json", action="store_true", help="one JSON object per line: the start, then each order")
     s.set_defaults(func=cmd_serve)
-
-
-def underlay_towards(url: str) -> str:
-    """The local address the route to the coordinator leaves from (no packet is sent)."""
-    parts = urlsplit(url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((parts.hostname or "127.0.0.1", parts.port or 80))
-            return str(s.getsockname()[0])
-        except OSError as e:
-            raise UsageError(f"no route from this host to the coordinator at {url}", str(e),
-                             "check the URL, or give this host's address with --underlay") from e
 
 
 def gpu_names() -> list[str]:
@@ -203,7 +190,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     url, token = client.resolve(a.coordinator, a.token_file)
     if "/" in a.name or not a.name:
         raise UsageError(f"invalid host name {a.name!r}", "a host's name is one path segment", "give --name NAME")
-    underlay = a.underlay or underlay_towards(url)
+    underlay = a.underlay or client.underlay_towards(url)
     d = HostDaemon(url, token, a.name, underlay, key_file=a.key_file, poll_wait=a.poll_wait, as_json=a.json)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _s, _f: d.shutdown())

@@ -22,7 +22,7 @@ from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, w
 from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
-from cryosleep.coordinator.client import CoordinatorClient
+from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
 from cryosleep.store.local import LocalStore
@@ -63,7 +63,8 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "its snapshots, so TCP between ranks survives a restore elsewhere; needed for --nnodes > 1 "
                    "(docs/network.md). host (default): the sandbox shares this host's network")
     p.add_argument("--net-peers", default="", metavar="IP,...",
-                   help="with --net job across hosts: the other hosts' addresses, linked by a VXLAN overlay")
+                   help="with --net job across hosts: the other hosts' addresses, linked by a VXLAN overlay "
+                   "(default with --coordinator: each node tells the others its address there)")
     p.add_argument("--outbound-reset", default="all", metavar="all|none|DEST,...",
                    help="connections to peers outside the job (metrics, logging, HTTP APIs) that a snapshot lets "
                    "drain and a restored copy resets, so that the job's client sees a reset and reconnects: all "
@@ -92,7 +93,8 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_trigger_args(r)
     r.add_argument("--timeout", type=float, default=600.0)
     r.add_argument("--net-peers", default="", metavar="IP,...",
-                   help="a job network spanning hosts: the other hosts' addresses (VXLAN overlay peers)")
+                   help="a job network spanning hosts: the other hosts' addresses (VXLAN overlay peers; default "
+                   "with --coordinator: learned at the restore's barrier)")
     r.add_argument("--gpu-map", help="GPU i of the snapshot goes to GPU MAP[i] here, e.g. 1,0 swaps two GPUs "
                    "(default: by position)")
     r.add_argument("--node-rank", type=int, default=None, metavar="I",
@@ -261,6 +263,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         agent = Agent(job, spec, out=out)
         agent.coordinator = coordinator
         agent.net_peers = _peers(a.net_peers)
+        if agent.learns_peers() and coordinator is not None:  # the overlay's peers come from the coordinator
+            agent.underlay = underlay_towards(coordinator[0])
         agent.triggers = TriggerRunner(agent, triggers)  # binds the metrics port: fails before the job starts
         agent.launch()
         return agent
@@ -318,8 +322,12 @@ def cmd_restore(a: argparse.Namespace) -> int:
                          "e.g. --gpu-map 1,0") from None
     triggers = trigger_config(a)
     rendezvous = None
+    underlay = ""
     if coordinator is not None:  # one node of a multi-node restore: it meets the others at the coordinator
-        rendezvous = RestoreRendezvous(CoordinatorClient(*coordinator), a.snapshot, a.node_rank, nnodes, a.timeout)
+        if not a.net_peers:  # and learns there where they are, for the job network's overlay
+            underlay = underlay_towards(coordinator[0])
+        rendezvous = RestoreRendezvous(CoordinatorClient(*coordinator), a.snapshot, a.node_rank, nnodes, a.timeout,
+                                       underlay=underlay)
         rendezvous.announce()
     try:
         store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach)
@@ -346,6 +354,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
                                                                   token_file=a.token_file), agent.spec.nnodes)
         else:
             agent.coordinator = coordinator
+        agent.underlay = underlay
         agent.triggers = TriggerRunner(agent, triggers)
         if rendezvous is not None:
             rendezvous.log = agent.log_line

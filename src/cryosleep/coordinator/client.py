@@ -216,6 +216,19 @@ class CoordinatorClient:
 # ---- the node agent's side ---------------------------------------------------------------------------------
 
 
+def underlay_towards(url: str) -> str:
+    """The local address the route to the coordinator at ``url`` leaves from (no packet is sent): the address
+    the other hosts of a job reach this one at, for the job network's overlay."""
+    parts = urlsplit(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((parts.hostname or "127.0.0.1", parts.port or 80))
+            return str(s.getsockname()[0])
+        except OSError as e:
+            raise UsageError(f"no route from this host to the coordinator at {url}", str(e),
+                             "check the URL, or give this host's address (--underlay, or --net-peers)") from e
+
+
 class NodeBackend(Protocol):
     """What a node agent does for each operation (docs/coordinator.md has each one's contract). Each returns
     its result's data, or raises CryosleepError; each must be safe to call again for the same snapshot."""

@@ -232,7 +232,8 @@ class Host:
             if underlay:
                 args += ["dev", underlay]
             self.ip(*args, what=f"cannot create the VXLAN device {net.vxlan} (VNI {net.vni})",
-                    hint=HINT + "; another job may use the same VNI on this host")
+                    hint=HINT + "; another job may use the same VNI on this host",
+                    ok_if=("File exists",))  # another node of the job on this host made it just now
             try:
                 self.ip("link", "set", net.vxlan, "master", net.bridge, "up",
                         what=f"cannot attach {net.vxlan} to the bridge {net.bridge}")

@@ -9,7 +9,7 @@ from typing import Any
 from cryosleep.net.host import Host, NetError
 from cryosleep.net.plan import JobNet, host_end_name
 
-__all__ = ["after_restore", "attach", "hold", "prepare", "prepare_restore", "release", "undo_restore"]
+__all__ = ["after_restore", "attach", "hold", "prepare", "prepare_restore", "release", "set_peers", "undo_restore"]
 
 
 def prepare(net: JobNet, peers: Sequence[str] = (), host: Host | None = None) -> None:
@@ -17,6 +17,15 @@ def prepare(net: JobNet, peers: Sequence[str] = (), host: Host | None = None) ->
     host = host or Host()
     host.ensure_bridge(net)
     if peers:
+        host.ensure_overlay(net, peers)
+
+
+def set_peers(net_json: dict[str, Any], peers: Sequence[str], host: Host | None = None) -> None:
+    """The overlay here now floods to exactly ``peers`` (peers learned later: coordinated.NetPeers). None
+    while every other node is on this host: the bridge links them."""
+    host = host or Host()
+    net = JobNet.from_json(net_json)
+    if peers or host.link(net.vxlan) is not None:
         host.ensure_overlay(net, peers)
 
 
