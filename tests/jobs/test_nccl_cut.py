@@ -328,13 +328,20 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
         monkeypatch.setitem(h.env, k, v)  # the job's
         monkeypatch.setenv(k, v)  # the reference run's
     monkeypatch.setitem(h.env, "CRYOSLEEP_DEVMEM_PIECE", str(1 << 20))  # images in pieces of 1 MiB, not 1 GiB
+    monkeypatch.setitem(h.env, "CRYOSLEEP_PREPARE_EVERY_S", "0.5")  # the agent prepares the staging files early
     script = workload("nccl_devmem")
     args = lingering(tmp_path, 40)
     h.run("fast", script, args, flags=("--fast-path",))
     h.wait_step("fast", 3)
     check = h.cli_json("check", "--job", "fast")
     assert sum(c["name"] == "fast path" and c["ok"] and "2 MiB of device memory" in c["detail"]
-               for c in check["checks"]) == 2, check  # both ranks, before their staging files exist
+               for c in check["checks"]) == 2, check  # both ranks
+    # the staging files are made while the job runs, before any snapshot asks for them
+    end = time.monotonic() + 30
+    while "staging files prepared ahead for rank(s) [0, 1]" not in h.job("fast").agent_log.read_text():
+        assert time.monotonic() < end, h.job("fast").agent_log.read_text()[-2000:]
+        time.sleep(0.1)
+    assert len(list(h.job("fast").devmem.glob("*.devmem"))) == 2
     keep = h.snapshot("fast")
     order = [p for p in keep["phases"] if p in ("prepare", "drain", "quiesce", "offload")]
     assert order == ["prepare", "drain", "quiesce", "offload"], keep["phases"]

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 from cryosleep import metrics, paths
 from cryosleep.agent import coordinated, proctree
+from cryosleep.agent.interceptor import Cmd, State
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.agent.watchdog import Watchdog
 from cryosleep.capture import restore as capture_restore
@@ -46,6 +47,9 @@ def become_subreaper() -> None:
 
 
 INTERCEPTOR_LIB = "libcryosleep_nccl.so"
+# the fast path: how often the agent grows the staging files to the ranks' device memory while the job runs
+PREPARE_EVERY_S = 20.0
+PREPARE_ENV = "CRYOSLEEP_PREPARE_EVERY_S"
 
 
 def interceptor_lib() -> Path:
@@ -327,6 +331,8 @@ class Agent:
             self.triggers.start()
         self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log))
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
+        if self.spec.interceptor and self.spec.fast_path:
+            threading.Thread(target=self._prepare_loop, name="prepare", daemon=True).start()
         if self.coordinator is not None:
             self.runner = coordinated.connect(self, *self.coordinator)
         if self.learns_peers():
@@ -397,6 +403,76 @@ class Agent:
         """A line in the agent's own log (a detached agent's stderr is its job's agent.log)."""
         sys.stderr.write(f"cryosleep agent: {time.strftime('%H:%M:%S')} {msg}\n")
         sys.stderr.flush()
+
+    # -- the fast path's staging, ahead of the snapshots -------------------------------------------------
+
+    def _prepare_loop(self) -> None:
+        try:
+            every = max(0.1, float(os.environ.get(PREPARE_ENV) or PREPARE_EVERY_S))
+        except ValueError:
+            every = PREPARE_EVERY_S
+        said = ""
+        while not self._stopping and proctree.alive(self.state.init_pid):
+            time.sleep(every)
+            try:
+                self.prepare_staging()
+                said = ""
+            except CryosleepError as e:  # the snapshot prepares itself then; say it once
+                if e.what != said:
+                    self.log_line(f"fast path: could not prepare the staging files ahead: {e.what}: {e.why}")
+                    said = e.what
+
+    def prepare_staging(self, timeout: float = 300.0) -> list[int]:
+        """The fast path's staging files grown to the device memory the ranks serve now, while the job runs, so
+        that a snapshot, a stop on a short notice above all, does not pay it (24 GiB per rank: about 20 s of
+        fallocate and cuMemHostRegister on an H200 machine). Returns the ranks that were sent PREPARE.
+
+        The command is written under the snapshot lock (a snapshot's own commands are never overwritten) and
+        the answer awaited without it: a snapshot that starts meanwhile sends its own PREPARE, which the
+        worker's control thread takes after this one (the rank's command word then moved past ours)."""
+        if not self.snap_lock.acquire(blocking=False):
+            return []  # a snapshot is running: it prepares itself
+        nccl = None
+        ranks: list[int] = []
+        try:
+            if self._stopping or not proctree.alive(self.state.init_pid):
+                return []
+            nccl = capture_snapshot.nccl_driver(self.capture_target(False, None, persist=False))
+            if nccl is None:
+                return []
+            ranks = [r for r in nccl.fast_ranks() if nccl.blocks[r].devmem.stage_bytes < nccl.blocks[r].devmem.bytes
+                     and nccl.blocks[r].state()[0] in (State.RUNNING, State.PREPARED)]
+            gen = nccl.command(Cmd.PREPARE, ranks) if ranks else 0
+        finally:
+            self.snap_lock.release()
+            if nccl is not None and not ranks:
+                nccl.close()
+        if nccl is None or not ranks:
+            return []
+        try:
+            end = time.monotonic() + timeout
+            pending = set(ranks)
+            while pending and time.monotonic() < end:
+                for r in list(pending):
+                    b = nccl.blocks[r]
+                    st, g = b.state()
+                    if b.cmd()[1] > gen:  # superseded by a snapshot's command: the snapshot waits for it
+                        pending.discard(r)
+                    elif g == gen and st == State.ERROR:
+                        raise CaptureFailed(f"rank {r} could not prepare its staging file", b.error,
+                                            "see the worker's log (lines 'cryosleep-nccl[PID]'); snapshots take "
+                                            "the plain path for it")
+                    elif g == gen and st == State.PREPARED:
+                        pending.discard(r)
+                time.sleep(0.05)
+            if pending:
+                raise CaptureFailed("the staging files were not prepared in time",
+                                    f"ranks {sorted(pending)} did not answer PREPARE within {timeout:g} s",
+                                    "a snapshot prepares them itself")
+            self.log_line(f"fast path: staging files prepared ahead for rank(s) {ranks}")
+            return ranks
+        finally:
+            nccl.close()
 
     # -- control socket ---------------------------------------------------------------------------
 
