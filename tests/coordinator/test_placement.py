@@ -85,6 +85,37 @@ def test_each_host_gets_its_node_with_the_other_hosts_as_overlay_peers(env: Env)
     c.place(s["id"], ["hostA", "hostB"])  # once finished, the snapshot may be placed again
 
 
+def test_auto_picks_live_free_hosts_with_each_nodes_gpus(env: Env) -> None:
+    """`restore SNAPSHOT --nodes auto`: the coordinator chooses, node by node, a host that polled recently, has no
+    order in progress and the GPUs the node's image was taken on; refused with why when there are not enough."""
+    s = verified(env)
+    for n in s["nodes"]:
+        env.coordinator.catalog.update_node(s["id"], n["node_rank"], image={**n["image"], "gpus": ["NVIDIA H200"]})
+    c = env.client()
+    c.host_poll("a-cpu", {"gpus": [], "underlay": "10.0.0.1"}, 0)
+    c.host_poll("b-h200", {"gpus": ["NVIDIA H200"], "underlay": "10.0.0.2"}, 0)
+    c.host_poll("c-stale", {"gpus": ["NVIDIA H200"], "underlay": "10.0.0.3"}, 0)
+    env.coordinator.placements.fresh_s = 0.3
+    time.sleep(0.4)
+    c.host_poll("a-cpu", {}, 0)
+    c.host_poll("b-h200", {}, 0)
+    with pytest.raises(NotEligible) as e:
+        c.place(s["id"], ["auto"])
+    assert "node 1 needs a host with 1 GPU(s) (NVIDIA H200)" in e.value.why, e.value.why
+    assert "host c-stale has not polled for" in e.value.why and "host a-cpu has 0 GPU(s)" in e.value.why
+    assert "taken by the nodes before: b-h200" in e.value.why and "host serve" in e.value.hint
+    assert all(h["orders"] == 0 for h in c.hosts())  # nothing was queued
+    env.coordinator.placements.fresh_s = placement.HOST_FRESH_S
+    c.host_poll("d-h200", {"gpus": ["NVIDIA H200"], "underlay": "10.0.0.4"}, 0)
+    st = c.place(s["id"], ["auto"])
+    assert [(n["node_rank"], n["host"], n["peers"]) for n in st["nodes"]] == [
+        (0, "b-h200", ["10.0.0.3"]), (1, "c-stale", ["10.0.0.2"])]  # c-stale counts again: fresh is 60 s again
+    with pytest.raises(NotEligible) as e:  # hosts with an order in progress are not free
+        env.coordinator.placements.pick(env.coordinator.catalog.snapshot(s["id"]))
+    assert "host b-h200 is restoring another node now" in e.value.why and "taken by the nodes before: d-h200" in (
+        e.value.why)
+
+
 def test_an_order_the_host_never_confirmed_is_delivered_again(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement, "REDELIVER_S", 0.3)
     s = verified(env, nnodes=1)

@@ -216,7 +216,8 @@ def place_snapshot(a: argparse.Namespace) -> int:
     try:
         st = link.place(a.snapshot, hosts, a.timeout)
         if show:
-            sys.stderr.write(f"cryosleep: placing {a.snapshot} on {', '.join(hosts)} (placement {st['id']})\n")
+            on = ", ".join(str(n["host"]) for n in st["nodes"])
+            sys.stderr.write(f"cryosleep: placing {a.snapshot} on {on} (placement {st['id']})\n")
         end = time.monotonic() + a.timeout + ORDER_MARGIN_S + 60.0
         shown: dict[int, str] = {}
         while True:

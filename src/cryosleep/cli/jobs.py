@@ -100,10 +100,10 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r.add_argument("--node-rank", type=int, default=None, metavar="I",
                    help="SNAPSHOT is a coordinator's snapshot of a multi-node job: restore its node I here (run "
                    "this on one host per node; the restored agents register with the coordinator again)")
-    r.add_argument("--nodes", default=None, metavar="HOST,...",
+    r.add_argument("--nodes", default=None, metavar="HOST,...|auto",
                    help="SNAPSHOT is a coordinator's snapshot of a multi-node job: restore node I on the I-th host "
                    "named, each running `cryosleep host serve` (one command for the whole job; the overlay peers "
-                   "come from the hosts)")
+                   "come from the hosts); auto: the coordinator picks live, free hosts with each node's GPUs")
     add_coordinator_args(r, "with --node-rank or --nodes: the coordinator that took the snapshot "
                          f"(default ${coord_client.ENV_URL})")
     r.add_argument("--detach", action="store_true")

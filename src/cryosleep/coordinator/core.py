@@ -259,7 +259,7 @@ class Coordinator:
     def place(self, sid: str, hosts: list[str], timeout_s: float | None) -> dict[str, Any]:
         """Node I of snapshot ``sid`` restored on ``hosts[I]`` by its host daemon (coordinator/placement.py)."""
         if not hosts or not all(isinstance(h, str) and h for h in hosts):
-            raise UsageError("no hosts given for the placement", "expected a list of host names, one per node",
-                             "e.g. `cryosleep restore SNAPSHOT --nodes hostA,hostB`")
+            raise UsageError("no hosts given for the placement", "expected a list of host names, one per node, or "
+                             "[\"auto\"]", "e.g. `cryosleep restore SNAPSHOT --nodes hostA,hostB` or `--nodes auto`")
         return self.placements.place(self.catalog.snapshot(sid), hosts,
                                      float(timeout_s or self.cfg.default_timeout_s))

@@ -3,7 +3,8 @@
 ``cryosleep host serve --coordinator URL --name H`` runs on each machine that may take a node of a job (the host
 daemon, cli/host_cmd.py): it long-polls here for orders, reporting its facts (host name, GPUs, the underlay
 address its job networks' overlays use) with each poll. ``cryosleep restore SNAPSHOT --nodes H0,H1,...`` asks
-for a placement: node I's image on host HI. The coordinator checks the snapshot (verified, that many nodes) and
+for a placement: node I's image on host HI (``--nodes auto``: the coordinator picks live, free hosts with each
+node's GPUs, ``Placements.pick``). The coordinator checks the snapshot (verified, that many nodes) and
 the hosts (known, polled recently), and queues one order per node, each with the overlay peers of its node (the
 other hosts' underlay addresses: ``--net-peers`` is not given by hand). Each host daemon runs its order as
 ``cryosleep restore SNAPSHOT --node-rank I`` there; the nodes then meet at the restore's barrier
@@ -139,10 +140,55 @@ class Placements:
                      "orders": sum(1 for o in self.orders.values() if o.host == h.name and o.state not in FINAL)}
                     for h in sorted(self.hosts.values(), key=lambda h: h.name)]
 
-    def place(self, snapshot: dict[str, Any], hosts: list[str], timeout_s: float) -> dict[str, Any]:
-        """Node I of ``snapshot`` (a catalog row) on ``hosts[I]``: one order per node, or refused with every
-        reason (nothing is queued then)."""
+    def pick(self, snapshot: dict[str, Any]) -> list[str]:
+        """Hosts for every node of ``snapshot`` (``--nodes auto``), node by node in rank order: a host that polled
+        recently, has no order in progress, is not taken by another node, and has the GPUs (count and model) the
+        node's image was taken on; by name among equals. Refused with each node's unmet need and why each host
+        was passed over."""
         sid = str(snapshot["id"])
+        images = {int(n["node_rank"]): n.get("image") or {} for n in snapshot.get("nodes") or ()}
+        now = time.monotonic()
+        chosen: list[str] = []
+        with self.cond:
+            self._expire(now)
+            why: dict[str, str] = {}
+            free = []
+            for h in sorted(self.hosts.values(), key=lambda h: h.name):
+                if h.polling == 0 and now - h.seen >= self.fresh_s:
+                    why[h.name] = f"has not polled for {now - h.seen:.0f} s"
+                elif any(o.host == h.name and o.state not in FINAL for o in self.orders.values()):
+                    why[h.name] = "is restoring another node now"
+                else:
+                    free.append(h)
+            unmet = []
+            for rank in sorted(images):
+                need = sorted(images[rank].get("gpus") or [])
+                fit = next((h for h in free if h.name not in chosen and (
+                    not need or sorted(h.facts.get("gpus") or []) == need)), None)
+                if fit is None:
+                    unmet.append(f"node {rank} needs a host with " + (
+                        f"{len(need)} GPU(s) ({', '.join(sorted(set(need)))})" if need else "no GPU in particular"))
+                    continue
+                chosen.append(fit.name)
+            if unmet:
+                passed = [f"host {n} {w}" for n, w in sorted(why.items())] + [
+                    f"host {h.name} has {len(h.facts.get('gpus') or [])} GPU(s)" for h in free if h.name not in chosen]
+                raise NotEligible(f"snapshot {sid} cannot be placed: not enough compatible hosts",
+                                  "; ".join(unmet + passed + ([f"taken by the nodes before: {', '.join(chosen)}"]
+                                                              if chosen else [])),
+                                  "start `cryosleep host serve` on more machines with those GPUs, or name the hosts "
+                                  "with --nodes; nothing was started")
+        return chosen
+
+    def place(self, snapshot: dict[str, Any], hosts: list[str], timeout_s: float) -> dict[str, Any]:
+        """Node I of ``snapshot`` (a catalog row) on ``hosts[I]`` (``["auto"]``: hosts chosen by ``pick``): one order
+        per node, or refused with every reason (nothing is queued then)."""
+        sid = str(snapshot["id"])
+        if hosts == ["auto"]:
+            if snapshot.get("state") != "verified":
+                raise NotEligible(f"snapshot {sid} cannot be placed", f"it is {snapshot.get('state')}, not verified",
+                                  "list the valid snapshots with `cryosleep coordinator snapshots JOB --valid`")
+            hosts = self.pick(snapshot)
         nodes = sorted(int(n["node_rank"]) for n in snapshot.get("nodes") or ())
         problems = []
         if snapshot.get("state") != "verified":
