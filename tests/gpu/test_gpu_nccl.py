@@ -35,6 +35,8 @@ def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, extra: list[s
         s = h.snapshot(name)
         assert {"drain", "quiesce", "cuda-checkpoint", "dump", "rebuild"} <= set(s["phases"]), s["phases"]
         assert fast == ({"offload", "reload"} <= set(s["phases"])), s  # the fast path moved device memory
+        if fast:  # every rank's, none fell back to the plain path
+            assert h.cli_json("show", s["snapshot"])["nodes"][0]["gpu"]["fast_path"]["plain"] == {}
     h.wait_step(name, 25)
     stop = h.snapshot(name, "--stop")
     assert fast == ("offload" in stop["phases"]), stop
@@ -43,6 +45,29 @@ def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, extra: list[s
     assert fast == ({"devmem", "reload"} <= set(r["phases"])), r
     assert h.wait_end(name) == 0
     identical(h, name, args, 2)
+
+
+def test_fast_path_holds_a_thread_that_wakes_and_submits_through_cublas(h: Harness) -> None:
+    """A thread outside the training loop wakes every 20 ms and multiplies matrices through cuBLAS (the driver API)
+    on its own stream: while the fast path has the device memory out, its launches wait at the driver gate and
+    go on after RELOAD. Its products never change, the snapshots stay on the fast path, and the training's
+    losses equal an uninterrupted run's."""
+    args = ["--steps", "300", "--step-sleep", "0.05", "--side-thread"]
+    h.run("side", WORKLOAD, args, nproc=2, flags=("--fast-path",))
+    for step in (10, 15, 20, 25):
+        h.wait_step("side", step)
+        s = h.snapshot("side")
+        assert {"offload", "reload"} <= set(s["phases"]), s
+        assert h.cli_json("show", s["snapshot"])["nodes"][0]["gpu"]["fast_path"]["plain"] == {}
+    h.wait_step("side", 30)
+    stop = h.snapshot("side", "--stop")
+    assert h.wait_end("side") == 75
+    h.restore(stop["snapshot"])
+    assert h.wait_end("side") == 0
+    for r in range(2):
+        log = h.job("side").rank_log(r).read_text()
+        assert "side mismatch" not in log and "side done" in log, log[-2000:]
+    identical(h, "side", args, 2)
 
 
 def test_two_rank_restore_with_ranks_swapped_across_gpus(h: Harness) -> None:

@@ -4,6 +4,7 @@ memory per rank (to measure the pause against GPU memory). It knows nothing of C
 
 import argparse
 import os
+import threading
 import time
 
 import torch
@@ -18,6 +19,9 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--async-groups", action="store_true",
                    help="also run asynchronous all-reduces on a second process group each step")
+    p.add_argument("--side-thread", action="store_true",
+                   help="also run a thread that wakes every 20 ms and multiplies two matrices through cuBLAS on its "
+                   "own stream, checking each product against the first ('side mismatch' lines if one differs)")
     p.add_argument("--device-from-rank", action="store_true",
                    help="use GPU RANK instead of LOCAL_RANK (simulated nodes sharing one machine's GPUs)")
     args = p.parse_args()
@@ -39,6 +43,10 @@ def main() -> None:
     side = dist.new_group(list(range(world))) if world > 1 and args.async_groups else None
     ballast = torch.ones(int(args.mem_gib * 2**28), device=dev) if args.mem_gib else None
     gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    side_stop = threading.Event()
+    side = threading.Thread(target=side_work, args=(dev, side_stop), daemon=True) if args.side_thread else None
+    if side is not None:
+        side.start()
     t0 = 0.0
     for step in range(args.steps):
         if step == min(5, args.steps - 1):  # after warm-up
@@ -58,6 +66,9 @@ def main() -> None:
         print(f"step {step} loss {loss.item().hex()}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    if side is not None:
+        side_stop.set()
+        side.join()
     torch.cuda.synchronize()
     timed = args.steps - min(5, args.steps - 1)
     print(f"time_per_step {(time.perf_counter() - t0) / max(timed, 1):.6f}", flush=True)
@@ -65,6 +76,27 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
     print("done", flush=True)
+
+
+def side_work(dev: torch.device, stop: threading.Event) -> None:
+    """Work the training loop knows nothing of, as a data loader's or a metrics thread's might be: woken at any
+    moment (during a snapshot too), it launches through cuBLAS (the CUDA driver API) on its own stream."""
+    torch.cuda.set_device(dev)
+    g = torch.Generator(device=dev).manual_seed(7)
+    a = torch.randn(1024, 1024, device=dev, generator=g)
+    b = torch.randn(1024, 1024, device=dev, generator=g)
+    stream = torch.cuda.Stream(device=dev)
+    first, n = None, 0
+    while not stop.is_set():
+        with torch.cuda.stream(stream):
+            v = (a @ b).sum().item()
+        if first is None:
+            first = v
+        elif v != first:
+            print(f"side mismatch {n}: {v.hex()} != {first.hex()}", flush=True)
+        n += 1
+        time.sleep(0.02)
+    print(f"side done {n}", flush=True)
 
 
 if __name__ == "__main__":
