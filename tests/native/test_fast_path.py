@@ -256,8 +256,8 @@ def test_a_worker_that_never_calls_nccl_gets_its_block_from_its_first_served_all
 
 
 def test_nccls_ras_thread_may_run_during_the_copy(worker: Worker) -> None:
-    """NCCL's RAS thread outlives the communicators and wakes every few hundred ms; it submits no GPU work. On
-    an H200 it made every copy of 24 GiB start again until the rank took the plain path: it is exempt by the
+    """NCCL's RAS thread outlives the communicators and wakes from poll now and then; it submits no GPU work.
+    On an H200 it ran during each of three copies of 24 GiB and the rank took the plain path: it is exempt by the
     name NCCL gives it (NCCL_SET_THREAD_NAME=1, set by `cryosleep run --fast-path`)."""
     assert worker.driver.prepare([0], time.monotonic() + 30) == {}
     assert worker.ask("spin NCCL RAS") == "spinning"

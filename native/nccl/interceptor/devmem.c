@@ -489,8 +489,8 @@ static int dm_exempt(int tid, int self) {
     fclose(f);
   }
   /* the CUDA driver's own threads, PyTorch's NCCL watchdog and heartbeat (they only poll events), and NCCL's
-   * RAS thread (process-wide, outlives the communicators; it serves RAS queries over sockets, waking from poll
-   * every few hundred ms, and submits no GPU work: on an H200 it made every 24 GiB copy start again). NCCL
+   * RAS thread (it outlives the communicators, which quiesce destroyed, and waits in poll with a timeout; a
+   * monitoring thread that submits no GPU work: on an H200 it ran during each of three 24 GiB copies). NCCL
    * names its threads when NCCL_SET_THREAD_NAME=1, which `cryosleep run --fast-path` sets. */
   return strncmp(name, "cuda", 4) == 0 || strncmp(name, "pt_nccl_", 8) == 0 || strcmp(name, "NCCL RAS") == 0;
 }

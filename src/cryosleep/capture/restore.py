@@ -228,11 +228,12 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".cryosleep-restore")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        tmps.append((path, tmp))
         try:
+            os.fchmod(fd, 0o600)  # a leftover of an interrupted restore may have had other bits
             os.ftruncate(fd, int(entry["stage_bytes"]))
         finally:
             os.close(fd)
-        tmps.append((path, tmp))
         for piece in devmem_pieces(entry):
             want = checks.get(str((node_dir / piece["image"]).relative_to(base)))
             if want is None:
@@ -254,9 +255,14 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
             return f"{rel}: sha256 {got[:16]}..., expected {want.sha256[:16]}... (altered)"
         return None
 
-    if not problems:
-        with ThreadPoolExecutor(max_workers=files.copy_workers(len(todo))) as pool:
-            problems = [p for p in pool.map(put, todo) if p]
+    try:
+        if not problems:
+            with ThreadPoolExecutor(max_workers=files.copy_workers(len(todo))) as pool:
+                problems = [p for p in pool.map(put, todo) if p]
+    except BaseException:
+        for _, tmp in tmps:
+            tmp.unlink(missing_ok=True)
+        raise
     for path, tmp in tmps:
         if problems:
             tmp.unlink(missing_ok=True)
