@@ -56,6 +56,8 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
         if kind != "stop":
             cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
         time.sleep(1)
+    if a.no_restore:
+        return
     time.sleep(2)
     gmap = ["--gpu-map", a.restore_gpu_map] if a.restore_gpu_map else []
     lines = log.read_text().count("\n")
@@ -98,6 +100,7 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="a CUDA job, its extra state on the GPU")
     p.add_argument("--keep", type=int, default=2, help="keep-running snapshots before the stop snapshot")
     p.add_argument("--restore-gpu-map", default="", help="restore the stop snapshot with this --gpu-map")
+    p.add_argument("--no-restore", action="store_true", help="end after the stop snapshot (saves device time)")
     p.add_argument("--paths", nargs="+", choices=["fast", "plain"], default=["fast"],
                    help="capture paths to measure, each in its own run (docs/interceptor.md, 'The fast path')")
     a = p.parse_args()
