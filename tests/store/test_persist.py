@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cryosleep.errors import CaptureFailed
+from cryosleep.errors import CaptureFailed, UsageError
 from cryosleep.store import persist
 from cryosleep.store.backend import Backend, ObjectInfo
 from cryosleep.store.cas import ChunkCorrupt, WrongKey, chunk_name
@@ -23,7 +23,8 @@ from cryosleep.store.manifest import Manifest, NodeImage
 from .helpers import image_bytes
 
 
-def snapshot(store: LocalStore, seed: int, size: int = 4 << 20, *, shared: bytes = b"") -> Manifest:
+def snapshot(store: LocalStore, seed: int, size: int = 4 << 20, *, shared: bytes = b"",
+             mode: str = "keep-running") -> Manifest:
     """A committed snapshot of job "job" whose memory image shares ``shared`` with others."""
     st = store.begin("job")
     d = st.node_dir(0) / "criu"
@@ -31,7 +32,7 @@ def snapshot(store: LocalStore, seed: int, size: int = 4 << 20, *, shared: bytes
     (d / "pages-1.img").write_bytes(shared + image_bytes(seed, size))
     m = Manifest(id=st.id, job={"name": "job", "program": ["train.py"],
                                 "env": {"AWS_SECRET_ACCESS_KEY": "s3cr3t", "CRYOSLEEP_KEY": "k", "LR": "3e-4"}},
-                 mode="keep-running", created_at=time.time(), nodes=[NodeImage(0, [0, 1], 1,
+                 mode=mode, created_at=time.time(), nodes=[NodeImage(0, [0, 1], 1,
                                                                              files=hash_tree(st.path, ["nodes/0"]))],
                  host={}, phases={}, pause_s=0.1)
     store.commit(st, m)
@@ -206,3 +207,32 @@ def test_transfer_progress_plain_lines_json_and_a_bar() -> None:
     assert summary(rec) == "persisted+verified: 3.0 MiB sent, 50% dedup, 100.0 MiB/s, local copy removed"
     assert summary({"state": "failed", "reason": "server down"}) == "failed: server down"
     assert summary(None) == "local only"
+
+
+def test_retention_after_each_upload_keeps_the_newest_and_the_last_stop(tmp_path: Path) -> None:
+    """`run --store URL --keep-last N`: once a snapshot is persisted, the job's older snapshots in the store that
+    the policy does not keep are removed (manifests; chunks go at the next gc), the one just persisted and the
+    latest stop snapshot never."""
+    store = LocalStore(tmp_path / "store")
+    log: list[str] = []
+    p = persist.Persister("job", persist.RemoteConfig(str(tmp_path / "remote"), local_keep=10,
+                                                      retain={"keep_last": 2}), log=log.append)
+    snaps = [snapshot(store, 0, mode="stop"), *(snapshot(store, i) for i in range(1, 5))]
+    for m in snaps:
+        p.enqueue(store, m)
+    assert p.close(timeout=120)
+    chunks = persist.open_chunk_store(tmp_path / "remote")
+    end = time.monotonic() + 10  # retention runs beside the uploads
+    while len(chunks.snapshots("job")) > 3 and time.monotonic() < end:
+        time.sleep(0.05)
+    left = [s.id for s in chunks.snapshots("job")]
+    assert left == [snaps[0].id, snaps[3].id, snaps[4].id], (left, log)  # the stop, then the 2 newest
+    assert any(f"removed snapshot {snaps[1].id}" in line for line in log), log
+    assert p.retain(snaps[4].id) == []  # applied again: nothing more to remove
+    with pytest.raises(UsageError, match="bad retention policy"):
+        persist.check_config("job", persist.RemoteConfig(str(tmp_path / "remote"), retain={"keep_every": 0}))
+    from cryosleep.cli.transfer import remote_config
+
+    with pytest.raises(UsageError, match="apply to the store"):  # `run --keep-last 2` without --store
+        remote_config("job", None, None, 2, {"keep_last": 2})
+    assert remote_config("job", tmp_path / "remote", None, 2, {"keep_last": 2})["retain"] == {"keep_last": 2}

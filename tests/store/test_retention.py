@@ -30,6 +30,11 @@ def test_keep_last() -> None:
     assert ds[4].reason == "among the 2 newest of job job"
 
 
+def test_keep_last_alone_removes_the_rest() -> None:
+    ds = decide(snaps(5), Policy(keep_last=2), NOW)  # `gc --keep-last 2`: each job's 2 newest, nothing else
+    assert kept(ds) == ["job-4", "job-5"] and ds[0].reason == "not among the 2 newest of job job"
+
+
 def test_max_age() -> None:
     ds = decide(snaps(10), Policy(max_age=3.5 * DAY), NOW)
     assert kept(ds) == ["job-7", "job-8", "job-9", "job-10"]

@@ -19,7 +19,7 @@ from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, lis
 from cryosleep.capture import outbound
 from cryosleep.cli.host_cmd import place_snapshot
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
-from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config
+from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config, retention_of
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
@@ -251,7 +251,7 @@ def _finish(agent: Agent, code: int, as_json: bool) -> int:
 def cmd_run(a: argparse.Namespace) -> int:
     require_root("running a job under Cryosleep")
     spec = build_spec(a)
-    spec.persist = remote_config(spec.name, a.store, a.key_file, a.local_keep)
+    spec.persist = remote_config(spec.name, a.store, a.key_file, a.local_keep, retention_of(a))
     spec.env.pop("CRYOSLEEP_KEY", None)  # the agent reads it from its own environment; workers and manifests never
     spec.env.pop(coord_client.ENV_TOKEN, None)  # nor the coordinator's token
     coordinator = coordinator_of(a, spec.nnodes)
@@ -361,7 +361,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
         agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map,
                       rendezvous=rendezvous)
         if fetched is not None:  # the restored job goes on persisting where it came from
-            agent.spec.persist = remote_config(agent.spec.name, fetched["store"], a.key_file, a.local_keep)
+            retain = retention_of(a) or (agent.spec.persist or {}).get("retain")  # the job's own, unless given
+            agent.spec.persist = remote_config(agent.spec.name, fetched["store"], a.key_file, a.local_keep, retain)
         if agent.coordinator is not None:
             agent.spec.coordinator = agent.coordinator[0]
         agent.job.write(agent.spec, agent.state)

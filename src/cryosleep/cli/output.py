@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -21,6 +22,16 @@ def emit_error(err: CryosleepError, as_json: bool) -> None:
         sys.stdout.write(json.dumps(err.to_json(), indent=2) + "\n")
     else:
         sys.stderr.write(f"cryosleep: {err}\n")
+
+
+def age_arg(text: str) -> float:
+    """An argparse type: an age such as 30m, 2h or 7d, in seconds."""
+    from cryosleep.store.retention import parse_age
+
+    try:
+        return parse_age(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def human_bytes(n: float) -> str:

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cryosleep import paths
-from cryosleep.cli.output import emit_json, human_bytes, table
+from cryosleep.cli.output import age_arg, emit_json, human_bytes, table
 from cryosleep.errors import StoreCorrupt
 from cryosleep.store.backend import open_backend
 from cryosleep.store.gc import GRACE_S, collect
 from cryosleep.store.persist import is_remote
-from cryosleep.store.retention import Decision, Policy, SnapshotInfo, decide, parse_age
+from cryosleep.store.retention import Decision, Policy, SnapshotInfo, decide
 
 if TYPE_CHECKING:
     from cryosleep.store.cas import ChunkStore, Snapshot
@@ -31,22 +31,17 @@ def _chunk_store(store: str | Path | None) -> ChunkStore:
     return ChunkStore(open_backend(store if store is not None else paths.default_store()))
 
 
-def _age(text: str) -> float:
-    try:
-        return parse_age(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def add_store_cmds(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g = sub.add_parser("gc", help="remove snapshots by retention rules, then chunks no snapshot needs")
     g.add_argument("--store", default=None, help="store directory or s3://bucket/prefix (default $CRYOSLEEP_STORE)")
     g.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
-    g.add_argument("--grace", type=_age, default=GRACE_S,
+    g.add_argument("--grace", type=age_arg, default=GRACE_S,
                    help="never delete chunks younger than this (default 1h; e.g. 30m, 2h)")
-    g.add_argument("--keep-last", type=int, default=None, help="keep each job's N newest snapshots")
+    g.add_argument("--keep-last", type=int, default=None,
+                   help="keep each job's N newest snapshots (alone: remove the rest; with --max-age or "
+                   "--keep-every: those decide beyond the N)")
     g.add_argument("--keep-every", type=int, default=None, help="keep every Kth snapshot of a job, remove others")
-    g.add_argument("--max-age", type=_age, default=None, help="remove snapshots older than this (e.g. 7d)")
+    g.add_argument("--max-age", type=age_arg, default=None, help="remove snapshots older than this (e.g. 7d)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_gc)
 

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cryosleep import paths
-from cryosleep.cli.output import human_bytes
-from cryosleep.errors import NotFound
+from cryosleep.cli.output import age_arg, human_bytes
+from cryosleep.errors import NotFound, UsageError
 from cryosleep.store import persist
 from cryosleep.store.local import LocalStore
 from cryosleep.store.manifest import Manifest
 
-__all__ = ["TransferPrinter", "add_persist_options", "fetch_for_restore", "remote_config", "summary"]
+__all__ = ["TransferPrinter", "add_persist_options", "fetch_for_restore", "remote_config", "retention_of", "summary"]
 
 
 def add_persist_options(p: argparse.ArgumentParser, *, store: bool = True) -> None:
@@ -37,16 +37,34 @@ def add_persist_options(p: argparse.ArgumentParser, *, store: bool = True) -> No
     p.add_argument("--local-keep", type=int, default=persist.LOCAL_KEEP, metavar="N",
                    help="keep local copies of at most N persisted snapshots of the job (never one not yet "
                    f"persisted; default {persist.LOCAL_KEEP})")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="in the store: after each upload, keep the job's N newest snapshots and remove older ones "
+                   "that --keep-every/--max-age do not keep (as `cryosleep gc`; chunks go at the next gc)")
+    p.add_argument("--keep-every", type=int, default=None, metavar="K",
+                   help="in the store: keep every Kth snapshot of the job beyond --keep-last, remove the others")
+    p.add_argument("--max-age", type=age_arg, default=None, metavar="AGE",
+                   help="in the store: remove the job's snapshots older than AGE (e.g. 7d) beyond --keep-last")
 
 
-def remote_config(job: str, url: str | Path | None, key_file: Path | None, local_keep: int) -> dict[str, Any]:
-    """The job spec's ``persist`` entry, checked (store reachable, key readable); {} without a store."""
+def retention_of(a: argparse.Namespace) -> dict[str, Any] | None:
+    """The --keep-last/--keep-every/--max-age policy for the job's spec (None: keep everything)."""
+    d = {"keep_last": a.keep_last, "keep_every": a.keep_every, "max_age": a.max_age}
+    return {k: v for k, v in d.items() if v is not None} or None
+
+
+def remote_config(job: str, url: str | Path | None, key_file: Path | None, local_keep: int,
+                  retain: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job spec's ``persist`` entry, checked (store reachable, key readable, policy sound); {} without a
+    store."""
     if url is None:
+        if retain:
+            raise UsageError("--keep-last, --keep-every and --max-age apply to the store", "no --store was given",
+                             "add --store URL, or thin a store later with `cryosleep gc`")
         return {}
     text = persist.normalize_url(url)
     if not persist.is_remote(text):
         text = str(Path(text).resolve())
-    cfg = persist.RemoteConfig(text, str(key_file.resolve()) if key_file else None, local_keep)
+    cfg = persist.RemoteConfig(text, str(key_file.resolve()) if key_file else None, local_keep, retain)
     persist.check_config(job, cfg)
     return cfg.to_json()
 

@@ -47,6 +47,7 @@ from cryosleep.errors import CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.store.backend import BackendError
 from cryosleep.store.local import LocalStore, Staging
 from cryosleep.store.manifest import Manifest
+from cryosleep.store.retention import Policy, SnapshotInfo, decide
 
 if TYPE_CHECKING:
     from cryosleep.store.cas import ChunkStore
@@ -95,6 +96,9 @@ class RemoteConfig:
     url: str
     key_file: str | None = None
     local_keep: int = LOCAL_KEEP
+    # retention of the job's snapshots in the store, applied after each upload (store/retention.py's Policy:
+    # keep_last, keep_every, max_age); None: keep them all (``cryosleep gc`` can still thin them)
+    retain: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +108,14 @@ class RemoteConfig:
         if not d or not d.get("url"):
             return None
         return cls(url=str(d["url"]), key_file=d.get("key_file") or None,
-                   local_keep=int(d.get("local_keep", LOCAL_KEEP)))
+                   local_keep=int(d.get("local_keep", LOCAL_KEEP)), retain=d.get("retain") or None)
+
+    def policy(self) -> Policy | None:
+        """The retention policy, or None when everything is kept."""
+        if not self.retain:
+            return None
+        pol = Policy(**{k: self.retain.get(k) for k in ("keep_last", "keep_every", "max_age")})
+        return None if pol.empty else pol
 
 
 def open_chunk_store(url: str | Path) -> ChunkStore:
@@ -121,6 +132,11 @@ def check_config(job: str, cfg: RemoteConfig) -> JobKey | None:
 
     if cfg.local_keep < 0:
         raise UsageError(f"--local-keep {cfg.local_keep} is negative", "", "give 0 or more")
+    try:
+        cfg.policy()
+    except (TypeError, ValueError) as e:
+        raise UsageError("bad retention policy for the store", str(e),
+                         "--keep-last and --max-age take 0 or more, --keep-every 1 or more") from None
     key = load_key(job, Path(cfg.key_file) if cfg.key_file else None)
     store = open_chunk_store(cfg.url)
     try:
@@ -284,6 +300,7 @@ class Persister:
         self._active: _Item | None = None
         self._thread: threading.Thread | None = None
         self.on_done: Callable[[Record], None] | None = None
+        self._retaining = threading.Lock()  # one retention pass at a time
 
     # -- the queue (keep-running snapshots) ------------------------------------------------------
 
@@ -420,6 +437,31 @@ class Persister:
                 self.on_done(rec)
             except Exception as e:  # a listener's bug must not fail an upload
                 self._log(f"persistence listener failed: {type(e).__name__}: {e}")
+        if rec.state == "persisted" and self.cfg.policy() is not None:  # on the side: never delays an upload
+            threading.Thread(target=self.retain, args=(rec.snapshot,), name=f"retain {self.job}", daemon=True).start()
+
+    def retain(self, newest: str) -> list[str]:
+        """The job's retention policy applied to its snapshots in the store, ``newest`` (just persisted) always
+        kept, and so is the latest stop snapshot (a suspended job lives in it). Removes manifests only: their
+        chunks go at the next ``cryosleep gc``. Returns what was removed; a failure is logged, never raised."""
+        policy = self.cfg.policy()
+        if policy is None:
+            return []
+        removed: list[str] = []
+        with self._retaining:
+            try:
+                snaps = self.cas.snapshots(self.job)
+                last_stop = next((x.id for x in reversed(snaps) if x.mode == "stop"), None)
+                infos = [SnapshotInfo(x.id, x.job, x.created_at, x.seq, protected=x.id in (newest, last_stop))
+                         for x in snaps]
+                for d in decide(infos, policy, time.time()):
+                    if not d.keep:
+                        self.cas.remove(d.snapshot.id)
+                        removed.append(d.snapshot.id)
+                        self._log(f"retention: removed snapshot {d.snapshot.id} from {self.url} ({d.reason})")
+            except Exception as e:  # the upload succeeded; thinning the store can wait for the next one
+                self._log(f"retention in {self.url} failed: {type(e).__name__}: {e}")
+        return removed
 
     # -- one upload ------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ Rules, per job, in this order (the first that applies decides, and its reason is
 4. ``keep_every``: when set, a snapshot whose sequence number is a multiple of K is kept and the others
    are removed. Sequence numbers (1, 2, 3... per job, in the order snapshots were stored) never change,
    so applying the policy again never thins what it kept before;
-5. otherwise the snapshot is kept.
+5. otherwise the snapshot is kept, unless ``keep_last`` is the only rule: then it is removed (``gc
+   --keep-last 3`` keeps each job's 3 newest and removes the rest).
 
 With no rule set at all, everything is kept.
 """
@@ -84,6 +85,8 @@ def decide(snapshots: Sequence[SnapshotInfo], policy: Policy, now: float) -> lis
             else:
                 out.append(Decision(s, False, f"not every {policy.keep_every}th (sequence {s.seq}) and not among "
                                               f"the newest"))
+        elif policy.max_age is None and policy.keep_last is not None:  # a count alone: the rest goes
+            out.append(Decision(s, False, f"not among the {policy.keep_last} newest of job {s.job}"))
         else:
             out.append(Decision(s, True, "within the maximum age" if policy.max_age is not None else "kept"))
     return out
