@@ -419,10 +419,25 @@ class Driver:
                 if attempt == retries:
                     raise
                 self.log(f"rebuild failed ({e.why}); quiescing the rebuilt ranks and retrying")
+                # the failure is seen as soon as one rank answers it: let the others finish their REBUILD first, or
+                # a rank that goes live after this look would not be quiesced, and would not re-create its
+                # communicators with the others on the retry (seen under load: the retry then hung)
+                self.settle(time.monotonic() + REBUILD_TIMEOUT_S)
                 live = [r for r, b in self.blocks.items() if b.comms_live]
                 if live:
                     self.requiesce(live, time.monotonic() + REBUILD_TIMEOUT_S)
         self.run()
+
+    def settle(self, deadline: float) -> list[int]:
+        """Waits until no rank is REBUILDING (each has answered its REBUILD, either way), or the deadline; returns
+        the ranks still rebuilding then."""
+        nap = 0.0005
+        while True:
+            busy = [r for r, b in self.blocks.items() if b.state()[0] == State.REBUILDING]
+            if not busy or time.monotonic() > deadline:
+                return busy
+            time.sleep(nap)
+            nap = min(nap * 2, 0.01)
 
     # ---- rollback ----------------------------------------------------------------------------------
 
