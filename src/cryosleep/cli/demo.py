@@ -133,22 +133,29 @@ def cmd_demo(a: argparse.Namespace) -> int:
         if not a.json:
             print(f"[demo] {msg}", flush=True)
 
+    linger = (out / f".{name}.linger").resolve()  # the job waits at its end until the demo is done with it
+    linger.unlink(missing_ok=True)
     wargs = [str(WORKLOAD), "--steps", str(a.steps)]
 
     say(f"1/6 starting job {name}: 2-rank DDP (gloo, AdamW, dropout, cosine LR, DataLoader workers)")
-    _cli("run", "--detach", "--name", name, "--nproc-per-node", "2", *wargs)
-    _wait_step(job, a.steps // 4)
-    say("2/6 keep-running snapshot")
-    s1 = _cli("snapshot", name)
-    say(f"    {s1['snapshot']}: pause {s1['pause_s']:.3f} s, image {human_bytes(s1['bytes'])}; the job goes on")
-    _wait_step(job, a.steps // 2)
-    say("3/6 stop snapshot")
-    s2 = _cli("snapshot", name, "--stop")
-    say(f"    {s2['snapshot']}: pause {s2['pause_s']:.3f} s; the job is suspended")
-    _wait_end(job)
-    say(f"4/6 restoring {s2['snapshot']}")
-    _cli("restore", s2["snapshot"], "--detach")
+    _cli("run", "--detach", "--name", name, "--nproc-per-node", "2", *wargs, "--linger", str(linger))
+    try:
+        _wait_step(job, a.steps // 4)
+        say("2/6 keep-running snapshot")
+        s1 = _cli("snapshot", name)
+        say(f"    {s1['snapshot']}: pause {s1['pause_s']:.3f} s, image {human_bytes(s1['bytes'])}; the job goes on")
+        _wait_step(job, a.steps // 2)
+        say("3/6 stop snapshot")
+        s2 = _cli("snapshot", name, "--stop")
+        say(f"    {s2['snapshot']}: pause {s2['pause_s']:.3f} s; the job is suspended")
+        _wait_end(job)
+        say(f"4/6 restoring {s2['snapshot']}")
+        _cli("restore", s2["snapshot"], "--detach")
+        _wait_step(job, a.steps - 1)
+    finally:
+        linger.touch()  # the (restored) job may end now; also when the demo failed before
     code = _wait_end(job)
+    linger.unlink(missing_ok=True)
     got = losses(job.rank_log(0).read_text())
     (out / "cryosleep-rank0.log").write_text(job.rank_log(0).read_text())
     if code != 0:

@@ -8,6 +8,7 @@ can be compared bit for bit. It knows nothing of Cryosleep.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -22,6 +23,9 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds to idle after each step")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     p.add_argument("--mem-mb", type=int, default=0, help="extra state per rank, in MiB (for benchmarks)")
+    p.add_argument("--linger", default=None, metavar="FILE",
+                   help="after the last step, wait until FILE exists before ending (so that a snapshot asked near "
+                   "the end never meets a job that is exiting)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -60,6 +64,8 @@ def main() -> None:
             if step >= args.steps:
                 break
         epoch += 1
+    while args.linger and not os.path.exists(args.linger):
+        time.sleep(0.05)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
