@@ -221,7 +221,7 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
     left changed."""
     base = node_dir.parent.parent
     tmps: list[tuple[Path, Path]] = []
-    todo: list[tuple[Path, dict[str, Any]]] = []
+    todo: list[tuple[Path, dict[str, Any], str, FileEntry]] = []
     problems: list[str] = []
     for entry in ranks.values():
         path = Path(entry["stage_path"])
@@ -235,18 +235,16 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
         finally:
             os.close(fd)
         for piece in devmem_pieces(entry):
-            want = checks.get(str((node_dir / piece["image"]).relative_to(base)))
+            rel = str((node_dir / piece["image"]).relative_to(base))
+            want = checks.get(rel)
             if want is None:
-                problems.append(f"{(node_dir / piece['image']).relative_to(base)}: not in the manifest's file list")
-            todo.append((tmp, piece))
+                problems.append(f"{rel}: not in the manifest's file list")
+            else:
+                todo.append((tmp, piece, rel, want))
 
-    def put(job: tuple[Path, dict[str, Any]]) -> str | None:
-        tmp, piece = job
-        src = node_dir / piece["image"]
-        rel = str(src.relative_to(base))
-        want = checks.get(rel)
-        if want is None:
-            return None  # said above
+    def put(job: tuple[Path, dict[str, Any], str, FileEntry]) -> str | None:
+        tmp, piece, rel, want = job
+        src = base / rel
         size = src.stat().st_size if src.exists() else -1
         if size != want.size or size != int(piece["bytes"]):
             return f"{rel}: size {size}, expected {want.size} (missing, truncated or altered)"
