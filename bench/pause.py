@@ -8,7 +8,10 @@ For each size it starts ddp_basic (gloo DDP, AdamW; with --gpu: tests/gpu/worklo
 extra state in device memory) with that much extra state per rank under
 `cryosleep run`, takes ``--keep`` keep-running snapshots (2) and a stop snapshot, restores, and prints one
 markdown row per snapshot: pause, each phase, image bytes and the workers' resident memory; for the restore,
-the time from `cryosleep restore` to the job's next step line. ``--paths``: the fast path (`run --fast-path`: the
+the time from `cryosleep restore` to the job's next step line. Step times (when each step line appeared) are
+recorded from the start of the job to the first snapshot: their median and longest gap show whether the job
+was slowed while it ran (with ``--prepare-ahead S`` the agent prepares the fast path's staging files then, and
+the bench waits until they are before the first snapshot). ``--paths``: the fast path (`run --fast-path`: the
 interceptor moves device memory itself) and/or the plain path (the CUDA driver's own checkpoint copies it),
 one after the other for each size. It uses its own
 CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -25,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,8 +50,15 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
         job = [str(WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem)]
     cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), *flags, *job)
     log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
+    steps = StepClock(log)
     wait_lines(log, 5)
-    for kind in ["keep-running"] * a.keep + ["stop"]:
+    if path == "fast" and a.gpu and a.prepare_ahead:  # the agent prepared the staging files: a snapshot needs none
+        wait_prepared(tmp / "home" / "jobs" / name / "ctl", a.nproc, timeout=300)
+        wait_lines(log, log.read_text().count("\n") + 3)
+    res_steps = steps.stop()
+    rows.append((mem, f"steps ({path})", res_steps))
+    print(f"# {mem} MiB {path} steps before the first snapshot: {res_steps}", file=sys.stderr, flush=True)
+    for kind in ["keep-running"] * a.keep + ([] if a.no_stop else ["stop"]):
         res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []))
         shown = cli(env, "show", str(res["snapshot"]))
         res["plain"] = {r: why for n in shown["nodes"] for r, why in  # type: ignore[attr-defined]
@@ -56,7 +68,7 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
         if kind != "stop":
             cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
         time.sleep(1)
-    if a.no_restore:
+    if a.no_restore or a.no_stop:
         return
     time.sleep(2)
     gmap = ["--gpu-map", a.restore_gpu_map] if a.restore_gpu_map else []
@@ -68,6 +80,55 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
     rows.append((mem, f"restore ({path})", restored))
     say(mem, "restore", path, restored)
     wait_lines(log, lines + 3)
+
+
+class StepClock:
+    """When each new line of a rank's log appeared (polled every 2 ms), until stopped: how regularly the job
+    stepped while it ran, before any snapshot."""
+
+    def __init__(self, log: Path) -> None:
+        self.log, self.times, self.done = log, list[float](), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        seen = 0
+        while not self.done.is_set():
+            with contextlib.suppress(OSError):
+                n = (b"\n" + self.log.read_bytes()).count(b"\nstep ")
+                if n > seen:
+                    self.times += [time.monotonic()] * (n - seen)
+                    seen = n
+            time.sleep(0.002)
+
+    def stop(self) -> dict[str, object]:
+        self.done.set()
+        self.thread.join()
+        gaps = sorted(b - a for a, b in itertools.pairwise(self.times))
+        if not gaps:
+            return {"steps": len(self.times)}
+        return {"steps": len(self.times), "median_gap_s": round(gaps[len(gaps) // 2], 3),
+                "longest_gap_s": round(gaps[-1], 3), "over_2x_median": sum(g > 2 * gaps[len(gaps) // 2] for g in gaps)}
+
+
+def wait_prepared(ctl: Path, nproc: int, timeout: float) -> None:
+    """Wait until every rank's staging file is as large as its device memory (the agent prepares them while the
+    job runs); exit saying so after ``timeout`` seconds."""
+    from cryosleep.agent.interceptor import attach_published
+
+    end, seen = time.monotonic() + timeout, ""
+    while time.monotonic() < end:
+        blocks = attach_published({r: ctl / f"rank-{r}.ctl" for r in range(nproc)})
+        try:
+            mem = {r: b.devmem for r, b in blocks.items()}
+            seen = ", ".join(f"rank {r}: {m.stage_bytes >> 20}/{m.bytes >> 20} MiB" for r, m in mem.items())
+            if len(mem) == nproc and all(0 < m.bytes <= m.stage_bytes for m in mem.values()):
+                return
+        finally:
+            for b in blocks.values():
+                b.close()
+        time.sleep(0.2)
+    raise SystemExit(f"the staging files were not prepared within {timeout:g} s ({seen or 'no control blocks'})")
 
 
 def say(mem: int, kind: str, path: str, res: dict[str, object]) -> None:
@@ -101,12 +162,20 @@ def main() -> None:
     p.add_argument("--keep", type=int, default=2, help="keep-running snapshots before the stop snapshot")
     p.add_argument("--restore-gpu-map", default="", help="restore the stop snapshot with this --gpu-map")
     p.add_argument("--no-restore", action="store_true", help="end after the stop snapshot (saves device time)")
+    p.add_argument("--no-stop", action="store_true",
+                   help="only the keep-running snapshots: no stop snapshot, no restore (a plain-path baseline)")
+    p.add_argument("--prepare-ahead", type=float, default=0.0, metavar="S",
+                   help="the agent prepares the fast path's staging files every S s while the job runs (experimental; "
+                   "the bench waits for it before the first snapshot)")
     p.add_argument("--paths", nargs="+", choices=["fast", "plain"], default=["fast"],
                    help="capture paths to measure, each in its own run (docs/interceptor.md, 'The fast path')")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cryosleep-bench-"))
     store = Path(tempfile.mkdtemp(prefix="cryosleep-bench-store-", dir=a.store_parent))
     env = dict(os.environ, CRYOSLEEP_HOME=str(tmp / "home"), CRYOSLEEP_STORE=str(store))
+    env.pop("CRYOSLEEP_PREPARE_EVERY_S", None)  # the first snapshot prepares the staging files, unless:
+    if a.prepare_ahead:
+        env["CRYOSLEEP_PREPARE_EVERY_S"] = str(a.prepare_ahead)
     from cryosleep import paths
 
     env.setdefault("CRYOSLEEP_CRIU_ROOT", str(paths.criu_root()))
@@ -130,11 +199,16 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         for mem, kind, res in rows:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]
+            if kind.startswith("steps"):
+                print(f"| {mem} | {kind}: the job before the first snapshot | - | - | {res.get('steps')} steps, median "
+                      f"gap {res.get('median_gap_s')} s, longest {res.get('longest_gap_s')} s, "
+                      f"{res.get('over_2x_median')} over twice the median | - | - |")
+                continue
             if kind.startswith("failed"):
                 print(f"| {mem} | {kind} | - | - | {res['error']} | - | - |".replace("\n", " "))
                 continue
             if kind.startswith("restore"):
-                per = f"{res['first_step_s'] / (mem / 1024):.3f}" if mem else "-"
+                per = f"{float(res['first_step_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
                 print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | {per} | {phases} | - | - |")
                 continue
             per = f"{float(res['pause_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]

@@ -26,8 +26,10 @@ def h(cryo_home: Path) -> Harness:
 
 @pytest.mark.parametrize("extra,fast", [([], False), (["--async-groups"], False), ([], True)],
                          ids=["ddp", "two-groups-async", "ddp-fast-path"])
-def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, extra: list[str], fast: bool) -> None:
-    args = ["--steps", "300", "--step-sleep", "0.05", *extra]  # outlasts the snapshots (see test_gpu_cycle)
+def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, tmp_path: Path, extra: list[str],
+                                                        fast: bool) -> None:
+    linger = tmp_path / "linger"  # the job waits at its end for it: the stop snapshot never meets an ending job
+    args = ["--steps", "300", "--step-sleep", "0.05", "--linger", str(linger), *extra]
     name = "nccl" + ("async" if extra else "") + ("fast" if fast else "")
     h.run(name, WORKLOAD, args, nproc=2, flags=("--fast-path",) if fast else ())
     for step in (10, 15, 20):
@@ -43,16 +45,17 @@ def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, extra: list[s
     assert h.wait_end(name) == 75
     r = h.restore(stop["snapshot"])
     assert fast == ({"devmem", "reload"} <= set(r["phases"])), r
+    linger.touch()
     assert h.wait_end(name) == 0
     identical(h, name, args, 2)
 
 
-def test_fast_path_holds_a_thread_that_wakes_and_submits_through_cublas(h: Harness) -> None:
+def test_fast_path_holds_a_thread_that_wakes_and_submits_through_cublas(h: Harness, tmp_path: Path) -> None:
     """A thread outside the training loop wakes every 20 ms and multiplies matrices through cuBLAS (the driver API)
     on its own stream: while the fast path has the device memory out, its launches wait at the driver gate and
     go on after RELOAD. Its products never change, the snapshots stay on the fast path, and the training's
     losses equal an uninterrupted run's."""
-    args = ["--steps", "300", "--step-sleep", "0.05", "--side-thread"]
+    args = ["--steps", "300", "--step-sleep", "0.05", "--side-thread", "--linger", str(tmp_path / "linger")]
     h.run("side", WORKLOAD, args, nproc=2, flags=("--fast-path",))
     for step in (10, 15, 20, 25):
         h.wait_step("side", step)
@@ -63,6 +66,7 @@ def test_fast_path_holds_a_thread_that_wakes_and_submits_through_cublas(h: Harne
     stop = h.snapshot("side", "--stop")
     assert h.wait_end("side") == 75
     h.restore(stop["snapshot"])
+    (tmp_path / "linger").touch()
     assert h.wait_end("side") == 0
     for r in range(2):
         log = h.job("side").rank_log(r).read_text()

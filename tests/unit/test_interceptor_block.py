@@ -151,3 +151,30 @@ def test_job_environment_warnings() -> None:
     assert not c.ok and not c.fatal and "NCCL_NVLS_ENABLE=1" in c.detail
     [c] = eligibility.nccl_env_checks({}, False)
     assert not c.fatal and "--no-interceptor" in c.detail
+
+
+def test_a_wait_for_ranks_whose_workers_exited_ends_at_once(tmp_path: Path) -> None:
+    """A job that ends as a snapshot starts: its ranks never answer. The driver asks which of the job's
+    processes still run and gives up on a rank whose worker is gone (seen twice, 0.2 s apart), instead of
+    waiting out the snapshot's deadline (600 s by default; the GPU test hung on PREPARE so)."""
+    import time
+
+    from cryosleep.cut.driver import Driver
+
+    blocks = {r: publish(tmp_path / f"rank-{r}.ctl", pid=10 + r) for r in range(2)}
+    running = {10, 11}
+    d = Driver(blocks, live=lambda: running)
+    t = time.monotonic()
+    assert set(d.prepare([0, 1], time.monotonic() + 0.6)) == {0, 1}  # both alive, no answer: the deadline
+    assert time.monotonic() - t >= 0.6
+    running.discard(11)
+    failed = d.prepare([0, 1], time.monotonic() + 1.0)
+    assert failed[1] == "its worker exited before answering PREPARE" and "no answer" in failed[0]
+    running.clear()
+    t = time.monotonic()
+    with pytest.raises(InterceptorError, match=r"the worker of rank\(s\) \[0, 1\] exited") as e:
+        d.hold(time.monotonic() + 30)
+    assert "HOLDING" in e.value.why and time.monotonic() - t < 2
+    t = time.monotonic()
+    assert set(d.prepare([0, 1], time.monotonic() + 30)) == {0, 1} and time.monotonic() - t < 2
+    d.close()

@@ -47,8 +47,9 @@ def become_subreaper() -> None:
 
 
 INTERCEPTOR_LIB = "libcryosleep_nccl.so"
-# the fast path: how often the agent grows the staging files to the ranks' device memory while the job runs
-PREPARE_EVERY_S = 20.0
+# the fast path: how often the agent grows the staging files to the ranks' device memory while the job runs;
+# off unless this is set (pinning stalls the job's CUDA calls, and on an H200 a 2-rank 24 GiB job hung with it
+# at 5 s: docs/interceptor.md, "The fast path")
 PREPARE_ENV = "CRYOSLEEP_PREPARE_EVERY_S"
 
 
@@ -331,7 +332,7 @@ class Agent:
             self.triggers.start()
         self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log))
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
-        if self.spec.interceptor and self.spec.fast_path:
+        if self.spec.interceptor and self.spec.fast_path and os.environ.get(PREPARE_ENV):
             threading.Thread(target=self._prepare_loop, name="prepare", daemon=True).start()
         if self.coordinator is not None:
             self.runner = coordinated.connect(self, *self.coordinator)
@@ -408,9 +409,11 @@ class Agent:
 
     def _prepare_loop(self) -> None:
         try:
-            every = max(0.1, float(os.environ.get(PREPARE_ENV) or PREPARE_EVERY_S))
+            every = max(0.1, float(os.environ.get(PREPARE_ENV) or ""))
         except ValueError:
-            every = PREPARE_EVERY_S
+            self.log_line(f"fast path: ${PREPARE_ENV} is not a number of seconds: the staging files are prepared "
+                          "by each snapshot instead")
+            return
         said = ""
         while not self._stopping and proctree.alive(self.state.init_pid):
             time.sleep(every)

@@ -114,8 +114,12 @@ def nccl_driver(target: Target) -> Driver | None:
         pids = {p for p in (proctree.ns_pid(x) for x in proctree.tree(target.init_pid)) if p is not None}
         return attach_published(todo, pids)
 
+    def live() -> set[int]:
+        return {p for p in (proctree.ns_pid(x) for x in proctree.tree(target.init_pid)
+                            if proctree.state(x) not in ("Z", "X", "gone")) if p is not None}
+
     blocks = published()
-    return Driver(blocks, discover=published, log=target.log) if blocks else None
+    return Driver(blocks, discover=published, log=target.log, live=live) if blocks else None
 
 
 def _refuse(target: Target, checks: list[eligibility.Check]) -> NotEligible:

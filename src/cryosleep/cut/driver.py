@@ -51,6 +51,8 @@ REBUILD_TIMEOUT_S = 120.0
 # A HOLD the agent leaves behind (the agent died) is released by the interceptor this long after the
 # snapshot's deadline.
 HOLD_GRACE_S = 5.0
+# How often a wait asks whether the ranks it waits for still have a worker process.
+GONE_EVERY_S = 0.2
 
 STATE_NAMES = {int(s): s.name for s in State}
 
@@ -81,15 +83,22 @@ class Driver:
     """The control blocks of one job's ranks (job rank -> block), driven together.
 
     ``discover`` (optional) returns the blocks published now by ranks other than the given ones; a rank that
-    publishes its block during a drain (its first NCCL call) is brought into the HOLD at once.
+    publishes its block during a drain (its first NCCL call) is brought into the HOLD at once. ``live``
+    (optional) returns the PIDs (inside the job's namespace) of the job's processes still running: a wait for
+    the answer of a rank whose worker is not among them, twice in a row, ends then instead of at its deadline
+    (a job that ends as a snapshot starts would otherwise hold the snapshot for the whole of its deadline).
     """
 
     def __init__(self, blocks: Mapping[int, ControlBlock],
                  discover: Callable[[Collection[int]], Mapping[int, ControlBlock]] | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None,
+                 live: Callable[[], Collection[int]] | None = None) -> None:
         self.blocks: dict[int, ControlBlock] = dict(sorted(blocks.items()))
         self.discover = discover
         self.log = log or (lambda _msg: None)
+        self.live = live
+        self._gone_checked = 0.0
+        self._missing: set[int] = set()  # ranks whose worker was not running at the last check
         self.gen = max((max(b.cmd()[1], b.state()[1]) for b in self.blocks.values()), default=0)
         self.touched = False  # a command was written: rollback has something to undo
         self.hold_deadline_ns = 0
@@ -107,6 +116,21 @@ class Driver:
         self.blocks = {}
 
     # ---- commands and answers ----------------------------------------------------------------------
+
+    def exited(self, ranks: Collection[int]) -> list[int]:
+        """Those of ``ranks`` whose worker has exited (asked at most every GONE_EVERY_S; [] in between)."""
+        now = time.monotonic()
+        if self.live is None or not ranks or now - self._gone_checked < GONE_EVERY_S:
+            return []
+        self._gone_checked = now
+        running = set(self.live())
+        missing = {r for r in ranks if self.blocks[r].pid not in running}
+        dead, self._missing = sorted(missing & self._missing), missing
+        return dead
+
+    def _raise_exited(self, dead: list[int], waiting: str) -> None:
+        raise InterceptorError(f"the worker of rank(s) {dead} exited", f"while waiting for {waiting}",
+                               "the job ended or a rank died; the snapshot cannot be taken", ranks=dead)
 
     def command(self, cmd: Cmd, ranks: Iterable[int] | None = None) -> int:
         """Writes ``cmd`` with a new generation on the given ranks (default: all); returns the generation."""
@@ -139,6 +163,9 @@ class Driver:
             pending = still
             if not pending:
                 return
+            dead = self.exited(pending)
+            if dead:
+                self._raise_exited(dead, f"{state.name}({gen})")
             if time.monotonic() > deadline:
                 seen = ", ".join(f"rank {r} {self._state_text(r)}" for r in pending)
                 raise InterceptorError(f"the NCCL interceptor did not answer {self._cmd_of(state).name}",
@@ -173,6 +200,9 @@ class Driver:
                 else:
                     still.append(r)
             todo = still
+            for r in self.exited(todo):
+                failed[r] = f"its worker exited before answering {cmd.name}"
+                todo.remove(r)
             if todo and time.monotonic() > deadline:
                 failed.update({r: f"no answer to {cmd.name} (still {self._state_text(r)})" for r in todo})
                 break
@@ -265,6 +295,9 @@ class Driver:
         while any(self.blocks[r].settled()[0] != g for r, g in gens.items()):
             if time.monotonic() > deadline:
                 return  # decide() sees who did not answer and gives up
+            dead = self.exited([r for r, g in gens.items() if self.blocks[r].settled()[0] != g])
+            if dead:
+                self._raise_exited(dead, "their answer to the drain's targets")
             time.sleep(nap)
             nap = min(nap * 2, 0.005)
 
@@ -283,6 +316,9 @@ class Driver:
         nap = 0.0005
         while True:
             self.join_late_ranks(deadline)
+            dead = self.exited(self.ranks)
+            if dead:
+                self._raise_exited(dead, "a consistent cut")
             views = self.views()
             d = decide(now(), deadline, views, self.floor)
             self.last = d

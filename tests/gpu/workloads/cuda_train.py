@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("--side-thread", action="store_true",
                    help="also run a thread that wakes every 20 ms and multiplies two matrices through cuBLAS on its "
                    "own stream, checking each product against the first ('side mismatch' lines if one differs)")
+    p.add_argument("--linger", default=None, metavar="FILE", help="after the last step, wait until FILE exists")
     p.add_argument("--device-from-rank", action="store_true",
                    help="use GPU RANK instead of LOCAL_RANK (simulated nodes sharing one machine's GPUs)")
     args = p.parse_args()
@@ -66,6 +67,8 @@ def main() -> None:
         print(f"step {step} loss {loss.item().hex()}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    while args.linger and not os.path.exists(args.linger):  # a test's stop snapshot still finds the job running
+        time.sleep(0.05)
     if side is not None:
         side_stop.set()
         side.join()
