@@ -33,7 +33,7 @@ s3server: venv
 	$(BIN)/python -m cryosleep.store.s3serve install
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 demo: setup
 	$(BIN)/cryosleep demo
