@@ -89,11 +89,13 @@ for line in sys.stdin:
         out("unspun")
     elif cmd == "free":
         out("freed", lib.cudaFree(p))
+    elif cmd == "pinned":
+        out("pinned", drv.fakecuda_registered())
 """
 
 
 class Worker:
-    def __init__(self, tmp: Path, nccl: bool = True) -> None:
+    def __init__(self, tmp: Path, nccl: bool = True, env: dict[str, str] | None = None) -> None:
         fake = tmp / "fake"
         _, cudart = build(fake)
         (tmp / "worker.py").write_text(textwrap.dedent(WORKER))
@@ -102,7 +104,7 @@ class Worker:
         env = dict(os.environ, LD_PRELOAD=str(INTERCEPTOR), STANDIN_NCCL_LIB=str(STANDIN),
                    CRYOSLEEP_NCCL_CTL=str(self.ctl), CRYOSLEEP_DEVMEM="1", CRYOSLEEP_DEVMEM_DIR=str(tmp / "devmem"),
                    LD_LIBRARY_PATH=str(fake),
-                   PYTHONPATH=os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")]), **(env or {}))
         self.proc = subprocess.Popen([sys.executable, str(tmp / "worker.py"), str(cudart), str(SIZE),
                                       "nccl" if nccl else "-"], env=env,
                                      text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -187,6 +189,41 @@ def test_offload_releases_the_memory_and_reload_brings_it_back_at_the_same_addre
     assert worker.block.devmem.stage_bytes == dm.stage_bytes
     assert worker.ask("free") == "freed 0"
     assert worker.block.devmem.bytes == 0 and worker.protection() == "unmapped"
+
+
+@pytest.mark.parametrize("piece,calls", [("", 1), ("1048576", 64), ("1000000", 67)])
+def test_the_staging_file_is_pinned_whole_or_in_pieces(tmp_path: Path, piece: str, calls: int) -> None:
+    """PREPARE pins the staging file (64 MiB here: 4 MiB + 1/8, in 64 MiB steps) in one cuMemHostRegister, or
+    with CRYOSLEEP_PIN_PIECE in pieces of that many bytes (rounded up to whole pages: 1000000 -> 245 pages,
+    67 pieces, the last a short one), so that the process's
+    other CUDA calls get a turn in between; the offload and reload work the same on it."""
+    w = Worker(tmp_path, env={"CRYOSLEEP_PIN_PIECE": piece})
+    try:
+        assert w.driver.prepare([0], time.monotonic() + 30) == {}
+        assert w.block.devmem.stage_bytes == 64 << 20
+        assert w.ask("pinned") == f"pinned {calls}"
+        w.quiesce()
+        assert w.driver.offload([0], time.monotonic() + 30) == {}
+        w.driver.reload([0], time.monotonic() + 30)
+        assert w.ask("digest") == f"digest {w.digest}"
+    finally:
+        w.block.close()
+        w.proc.kill()
+        w.proc.wait()
+
+
+def test_a_piece_that_cannot_be_pinned_leaves_nothing_pinned(tmp_path: Path) -> None:
+    """The 10th of 64 pieces fails (out of memory): PREPARE answers with the error, the nine pinned before it are
+    unpinned, and no staging size is published (a snapshot takes the plain path for the rank)."""
+    w = Worker(tmp_path, env={"CRYOSLEEP_PIN_PIECE": "1048576", "FAKECUDA_FAIL_PIN_AT": "10"})
+    try:
+        failed = w.driver.prepare([0], time.monotonic() + 30)
+        assert "pinning" in failed[0] and "CUDA error 2" in failed[0], failed
+        assert w.ask("pinned") == "pinned 0" and w.block.devmem.stage_bytes == 0
+    finally:
+        w.block.close()
+        w.proc.kill()
+        w.proc.wait()
 
 
 def test_work_submitted_through_the_driver_waits_while_the_memory_is_out(worker: Worker) -> None:

@@ -82,6 +82,7 @@ static struct {
   CUresult (*ctx_set)(void*);
   CUresult (*primary)(void**, int);
   CUresult (*host_register)(void*, size_t, unsigned);
+  CUresult (*host_unregister)(void*);
   CUresult (*d2h)(void*, CUdeviceptr, size_t);
   CUresult (*h2d)(CUdeviceptr, const void*, size_t);
   cudaError_t (*rt_malloc)(void**, size_t);
@@ -146,6 +147,7 @@ static void dm_load(void) {
   S(ctx_set, "cuCtxSetCurrent");
   S(primary, "cuDevicePrimaryCtxRetain");
   S(host_register, "cuMemHostRegister_v2");
+  S(host_unregister, "cuMemHostUnregister");
   S(d2h, "cuMemcpyDtoH_v2");
   S(h2d, "cuMemcpyHtoD_v2");
 #undef S
@@ -418,6 +420,24 @@ static int dm_stage_path(char* out, size_t n) {
   return snprintf(out, n, "%s/%s.devmem", dir, base ? base + 1 : ctl) < (int)n ? 0 : -1;
 }
 
+/* Pins [p, p + len) for the device's context: in one call, or (CRYOSLEEP_PIN_PIECE=bytes) in pieces with a
+ * millisecond between them. Pinning blocks the process's other CUDA calls while it runs (24 GiB: 9 s on an
+ * H200, docs/benchmarks.md); pieces give them a turn in between. On failure nothing is left pinned. */
+static CUresult dm_pin(char* p, size_t len) {
+  const char* env = getenv("CRYOSLEEP_PIN_PIECE");
+  size_t piece = env && *env ? (size_t)strtoull(env, NULL, 10) : 0, page = (size_t)sysconf(_SC_PAGESIZE);
+  piece = piece ? (piece + page - 1) / page * page : len;
+  CUresult r = 0;
+  size_t off = 0;
+  for (; off < len && r == 0; off += piece) {
+    if (off) nanosleep(&(struct timespec){0, 1000000}, NULL);
+    r = cu.host_register(p + off, len - off < piece ? len - off : piece, 0);
+  }
+  if (r != 0)
+    for (size_t undo = 0; undo + piece < off; undo += piece) cu.host_unregister(p + undo);
+  return r;
+}
+
 int cs_dm_prepare(char* err, size_t n) {
   if (cu.ready != 1) return snprintf(err, n, "PREPARE: the fast path is off (CRYOSLEEP_DEVMEM=1 not set, or "
                                      "libcuda lacks the VMM calls)"), -1;
@@ -439,7 +459,7 @@ int cs_dm_prepare(char* err, size_t n) {
   close(fd);
   if (rc) return snprintf(err, n, "PREPARE: staging %zu bytes in %s: %s", grow, path, strerror(rc)), -1;
   /* pinned for the worker's device only: bench/vmm_probe.py measured the checkpoint so (docs/benchmarks.md) */
-  CUresult cr = dm_ctx((int)first_dev) != 0 ? -1 : cu.host_register(p, grow - dm_stage, 0);
+  CUresult cr = dm_ctx((int)first_dev) != 0 ? -1 : dm_pin(p, grow - dm_stage);
   if (cr != 0) {
     munmap(p, grow - dm_stage);
     return snprintf(err, n, "PREPARE: pinning %zu bytes of %s failed (CUDA error %d)", grow - dm_stage, path, cr), -1;

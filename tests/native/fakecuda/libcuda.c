@@ -4,6 +4,7 @@
  * and copies are memcpy. Built as libcuda.so.1 by tests/native/fakecuda/build.py. */
 #define _GNU_SOURCE
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -65,9 +66,18 @@ int cuDevicePrimaryCtxRetain(void** c, int d) {
 }
 int cuMemHostRegister_v2(void* p, size_t n, unsigned f) {
   (void)p, (void)n, (void)f;
+  static int calls;
+  const char* fail = getenv("FAKECUDA_FAIL_PIN_AT"); /* that call fails, as out of memory (2) */
+  if (fail && atoi(fail) == ++calls) return 2;
   registered++;
   return 0;
 }
+int cuMemHostUnregister(void* p) {
+  (void)p;
+  registered--;
+  return 0;
+}
+int fakecuda_registered(void) { return registered; } /* for the tests: pinned pieces now */
 int cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
   memcpy(dst, (void*)(uintptr_t)src, n);
   return 0;
