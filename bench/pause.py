@@ -8,10 +8,12 @@ For each size it starts ddp_basic (gloo DDP, AdamW; with --gpu: tests/gpu/worklo
 extra state in device memory) with that much extra state per rank under
 `cryosleep run`, takes ``--keep`` keep-running snapshots (2) and a stop snapshot, restores, and prints one
 markdown row per snapshot: pause, each phase, image bytes and the workers' resident memory; for the restore,
-the time from `cryosleep restore` to the job's next step line. Step times (when each step line appeared) are
-recorded from the start of the job to the first snapshot: their median and longest gap show whether the job
-was slowed while it ran (with ``--prepare-ahead S`` the agent prepares the fast path's staging files then, and
-the bench waits until they are before the first snapshot). ``--paths``: the fast path (`run --fast-path`: the
+the time from `cryosleep restore` to the job's next step line. The job's step times (when rank 0 logged each
+step) give two more numbers: before the first snapshot, the median and longest gap between steps (with
+``--prepare-ahead S`` the agent prepares the fast path's staging files then, and the bench waits until they
+are); and for each keep-running snapshot, "job's step gap", the longest wait between two steps across it: what
+the snapshot cost the job, whatever held it (the pause, or a first snapshot's pinning of the staging file,
+which stalls the job's CUDA calls outside the reported pause). ``--paths``: the fast path (`run --fast-path`: the
 interceptor moves device memory itself) and/or the plain path (the CUDA driver's own checkpoint copies it),
 one after the other for each size. It uses its own
 CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
@@ -55,11 +57,15 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
     if path == "fast" and a.gpu and a.prepare_ahead:  # the agent prepared the staging files: a snapshot needs none
         wait_prepared(tmp / "home" / "jobs" / name / "ctl", a.nproc, timeout=300)
         wait_lines(log, log.read_text().count("\n") + 3)
-    res_steps = steps.stop()
+    res_steps = steps.summary(time.monotonic())
     rows.append((mem, f"steps ({path})", res_steps))
     print(f"# {mem} MiB {path} steps before the first snapshot: {res_steps}", file=sys.stderr, flush=True)
     for kind in ["keep-running"] * a.keep + ([] if a.no_stop else ["stop"]):
+        t0 = time.monotonic()
         res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []))
+        if kind != "stop":  # the job's own view: its longest wait between two steps across the snapshot
+            wait_lines(log, log.read_text().count("\n") + 3)
+            res["step_gap_s"] = steps.longest_gap(t0, time.monotonic())
         shown = cli(env, "show", str(res["snapshot"]))
         res["plain"] = {r: why for n in shown["nodes"] for r, why in  # type: ignore[attr-defined]
                         ((n.get("gpu") or {}).get("fast_path") or {}).get("plain", {}).items()}
@@ -68,6 +74,7 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
         if kind != "stop":
             cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
         time.sleep(1)
+    steps.stop()
     if a.no_restore or a.no_stop:
         return
     time.sleep(2)
@@ -101,14 +108,23 @@ class StepClock:
                     seen = n
             time.sleep(0.002)
 
-    def stop(self) -> dict[str, object]:
+    def stop(self) -> None:
         self.done.set()
         self.thread.join()
-        gaps = sorted(b - a for a, b in itertools.pairwise(self.times))
+
+    def summary(self, until: float) -> dict[str, object]:
+        """The steps logged before ``until``: how many, the median and longest gap between two."""
+        times = [t for t in self.times if t < until]
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
         if not gaps:
-            return {"steps": len(self.times)}
-        return {"steps": len(self.times), "median_gap_s": round(gaps[len(gaps) // 2], 3),
+            return {"steps": len(times)}
+        return {"steps": len(times), "median_gap_s": round(gaps[len(gaps) // 2], 3),
                 "longest_gap_s": round(gaps[-1], 3), "over_2x_median": sum(g > 2 * gaps[len(gaps) // 2] for g in gaps)}
+
+    def longest_gap(self, t0: float, t1: float) -> float:
+        """The longest time between two consecutive steps with the wait overlapping [t0, t1]: what a snapshot
+        taken then cost the job, whatever held it (the pause, or the driver stalling its CUDA calls)."""
+        return round(max((b - a for a, b in itertools.pairwise(self.times) if b > t0 and a < t1), default=0.0), 3)
 
 
 def wait_prepared(ctl: Path, nproc: int, timeout: float) -> None:
@@ -194,28 +210,30 @@ def main() -> None:
             finally:
                 end_job(tmp, name)
     finally:
-        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | s/GiB | phases (s) | image "
-              "| workers' RSS |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | s/GiB | job's step gap s | "
+              "phases (s) | image | workers' RSS |")
+        print("|---|---|---|---|---|---|---|---|")
         for mem, kind, res in rows:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]
             if kind.startswith("steps"):
-                print(f"| {mem} | {kind}: the job before the first snapshot | - | - | {res.get('steps')} steps, median "
-                      f"gap {res.get('median_gap_s')} s, longest {res.get('longest_gap_s')} s, "
-                      f"{res.get('over_2x_median')} over twice the median | - | - |")
+                print(f"| {mem} | {kind}: the job before the first snapshot | - | - | "
+                      f"{res.get('longest_gap_s', '-')} | {res.get('steps')} steps, median gap "
+                      f"{res.get('median_gap_s')} s, {res.get('over_2x_median')} over twice the median | - | - |")
                 continue
             if kind.startswith("failed"):
-                print(f"| {mem} | {kind} | - | - | {res['error']} | - | - |".replace("\n", " "))
+                print(f"| {mem} | {kind} | - | - | - | {res['error']} | - | - |".replace("\n", " "))
                 continue
             if kind.startswith("restore"):
                 per = f"{float(res['first_step_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
-                print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | {per} | {phases} | - | - |")
+                print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | {per} | - | {phases} "
+                      "| - | - |")
                 continue
             per = f"{float(res['pause_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
             if res.get("plain"):
                 kind += " (plain: " + "; ".join(f"rank {r}: {w}" for r, w in res["plain"].items()) + ")"  # type: ignore[attr-defined]
-            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {phases} | {int(res['bytes']) / 2**20:.0f} MiB "  # type: ignore[call-overload]
-                  f"| {int(res['rss_bytes']) / 2**20:.0f} MiB |")  # type: ignore[call-overload]
+            gap = res.get("step_gap_s", "-")
+            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {gap} | {phases} "
+                  f"| {int(res['bytes']) / 2**20:.0f} MiB | {int(res['rss_bytes']) / 2**20:.0f} MiB |")  # type: ignore[call-overload]
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
 
