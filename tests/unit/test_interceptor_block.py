@@ -153,6 +153,24 @@ def test_job_environment_warnings() -> None:
     assert not c.fatal and "--no-interceptor" in c.detail
 
 
+def test_the_fast_path_check_says_what_the_next_snapshot_will_pin(tmp_path: Path) -> None:
+    """`check --job` on a fast-path job: the device memory each rank serves, and whether its staging file is
+    ready, still to be made, or short of the memory (the next snapshot then pins, stalling the job's CUDA
+    calls: docs/interceptor.md)."""
+    blocks = {r: publish(tmp_path / f"rank-{r}.ctl", pid=2 + r) for r in range(3)}
+    for r, stage in ((0, 0), (1, 3 << 30), (2, 1 << 30)):
+        blocks[r].w32(ic.H_DEVMEM_ON, 1)
+        blocks[r].w64(ic.H_DEVMEM_BYTES, 2 << 30)
+        blocks[r].w32(ic.H_DEVMEM_COUNT, 4)
+        blocks[r].w64(ic.H_STAGE_BYTES, stage)
+    said = {c.detail.split(":")[0]: c.detail for c in eligibility.interceptor_checks(blocks) if c.name == "fast path"}
+    assert "staging file is made at the first snapshot" in said["rank 0"] and "stalls the job" in said["rank 0"]
+    assert said["rank 1"].endswith("staging file prepared") and "2.00 GiB of device memory in 4" in said["rank 1"]
+    assert said["rank 2"].endswith("1.00 GiB short of the device memory: the next snapshot grows and pins it")
+    for b in blocks.values():
+        b.close()
+
+
 def test_a_wait_for_ranks_whose_workers_exited_ends_at_once(tmp_path: Path) -> None:
     """A job that ends as a snapshot starts: its ranks never answer. The driver asks which of the job's
     processes still run and gives up on a rank whose worker is gone (seen twice, 0.2 s apart), instead of
