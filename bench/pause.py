@@ -99,13 +99,14 @@ class StepClock:
         self.thread.start()
 
     def _run(self) -> None:
-        seen = 0
+        pos, part = 0, b""  # how far the log was read; the start of a line not yet ended
         while not self.done.is_set():
-            with contextlib.suppress(OSError):
-                n = (b"\n" + self.log.read_bytes()).count(b"\nstep ")
-                if n > seen:
-                    self.times += [time.monotonic()] * (n - seen)
-                    seen = n
+            with contextlib.suppress(OSError), open(self.log, "rb") as f:  # only what was added since
+                f.seek(pos)
+                new = f.read()
+                pos += len(new)
+                *lines, part = (part + new).split(b"\n")
+                self.times += [time.monotonic()] * sum(line.startswith(b"step ") for line in lines)
             time.sleep(0.002)
 
     def stop(self) -> None:

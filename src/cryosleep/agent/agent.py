@@ -452,26 +452,13 @@ class Agent:
                 nccl.close()
         if nccl is None or not ranks:
             return []
-        try:
-            end = time.monotonic() + timeout
-            pending = set(ranks)
-            while pending and time.monotonic() < end:
-                for r in list(pending):
-                    b = nccl.blocks[r]
-                    st, g = b.state()
-                    if b.cmd()[1] > gen:  # superseded by a snapshot's command: the snapshot waits for it
-                        pending.discard(r)
-                    elif g == gen and st == State.ERROR:
-                        raise CaptureFailed(f"rank {r} could not prepare its staging file", b.error,
-                                            "see the worker's log (lines 'cryosleep-nccl[PID]'); snapshots take "
-                                            "the plain path for it")
-                    elif g == gen and st == State.PREPARED:
-                        pending.discard(r)
-                time.sleep(0.05)
-            if pending:
-                raise CaptureFailed("the staging files were not prepared in time",
-                                    f"ranks {sorted(pending)} did not answer PREPARE within {timeout:g} s",
-                                    "a snapshot prepares them itself")
+        try:  # a snapshot that wrote its own command meanwhile waits for that one itself
+            failed = nccl.collect(Cmd.PREPARE, State.PREPARED, gen, ranks, time.monotonic() + timeout)
+            if failed:
+                raise CaptureFailed("the staging files were not prepared ahead",
+                                    "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
+                                    "see the workers' logs (lines 'cryosleep-nccl[PID]'); a snapshot prepares them "
+                                    "itself, and a rank that cannot takes the plain path")
             self.log_line(f"fast path: staging files prepared ahead for rank(s) {ranks}")
             return ranks
         finally:

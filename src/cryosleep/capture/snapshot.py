@@ -107,19 +107,18 @@ def nccl_driver(target: Target) -> Driver | None:
     if not target.ctl:
         return None
 
+    def job_pids(running: bool = False) -> set[int]:
+        """The sandbox's PIDs as seen inside its namespace (``running``: not those that exited)."""
+        tree = proctree.tree(target.init_pid)
+        return {p for p in (proctree.ns_pid(x) for x in tree
+                            if not running or proctree.state(x) not in ("Z", "X", "gone")) if p is not None}
+
     def published(known: Collection[int] = ()) -> dict[int, ControlBlock]:
         todo = {r: p for r, p in target.ctl.items() if r not in known and p.exists()}
-        if not todo:
-            return {}
-        pids = {p for p in (proctree.ns_pid(x) for x in proctree.tree(target.init_pid)) if p is not None}
-        return attach_published(todo, pids)
-
-    def live() -> set[int]:
-        return {p for p in (proctree.ns_pid(x) for x in proctree.tree(target.init_pid)
-                            if proctree.state(x) not in ("Z", "X", "gone")) if p is not None}
+        return attach_published(todo, job_pids()) if todo else {}
 
     blocks = published()
-    return Driver(blocks, discover=published, log=target.log, live=live) if blocks else None
+    return Driver(blocks, discover=published, log=target.log, live=lambda: job_pids(running=True)) if blocks else None
 
 
 def _refuse(target: Target, checks: list[eligibility.Check]) -> NotEligible:

@@ -186,14 +186,20 @@ class Driver:
         todo = list(ranks)
         if not todo:
             return {}
-        gen = self.command(cmd, todo)
+        return self.collect(cmd, state, self.command(cmd, todo), todo, deadline)
+
+    def collect(self, cmd: Cmd, state: State, gen: int, ranks: Iterable[int], deadline: float) -> dict[int, str]:
+        """The answers to ``cmd`` written as generation ``gen`` on ``ranks``: returns the ranks that did not
+        answer ``state`` with why. A rank whose command word has moved past ``gen`` (a newer command was written
+        to it since) is not waited for: it answers that one."""
+        todo = list(ranks)
         failed: dict[int, str] = {}
         nap = 0.0005
         while todo:
             still = []
             for r in todo:
                 st, g = self.blocks[r].state()
-                if g == gen and st == state:
+                if (g == gen and st == state) or self.blocks[r].cmd()[1] > gen:
                     continue
                 if g == gen and st == State.ERROR:
                     failed[r] = self.blocks[r].error
@@ -292,10 +298,10 @@ class Driver:
 
     def _wait_answers(self, gens: Mapping[int, int], deadline: float) -> None:
         nap = 0.0002
-        while any(self.blocks[r].settled()[0] != g for r, g in gens.items()):
+        while pending := [r for r, g in gens.items() if self.blocks[r].settled()[0] != g]:
             if time.monotonic() > deadline:
                 return  # decide() sees who did not answer and gives up
-            dead = self.exited([r for r, g in gens.items() if self.blocks[r].settled()[0] != g])
+            dead = self.exited(pending)
             if dead:
                 self._raise_exited(dead, "their answer to the drain's targets")
             time.sleep(nap)
