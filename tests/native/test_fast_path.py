@@ -191,12 +191,13 @@ def test_offload_releases_the_memory_and_reload_brings_it_back_at_the_same_addre
     assert worker.block.devmem.bytes == 0 and worker.protection() == "unmapped"
 
 
-@pytest.mark.parametrize("piece,calls", [("", 1), ("1048576", 64), ("1000000", 67)])
+@pytest.mark.parametrize("piece,calls", [("", 1), ("0", 1), ("1048576", 64), ("1000000", 67)])
 def test_the_staging_file_is_pinned_whole_or_in_pieces(tmp_path: Path, piece: str, calls: int) -> None:
-    """PREPARE pins the staging file (64 MiB here: 4 MiB + 1/8, in 64 MiB steps) in one cuMemHostRegister, or
-    with CRYOSLEEP_PIN_PIECE in pieces of that many bytes (rounded up to whole pages: 1000000 -> 245 pages,
-    67 pieces, the last a short one), so that the process's
-    other CUDA calls get a turn in between; the offload and reload work the same on it."""
+    """PREPARE pins the staging file (64 MiB here: 4 MiB + 1/8, in 64 MiB steps) in pieces of CRYOSLEEP_PIN_PIECE
+    bytes (rounded up to whole pages: 1000000 -> 245 pages, 67 pieces, the last a short one; by default 256 MiB,
+    so one piece here; 0: in one call), so that the process's other CUDA calls get a turn in between. The offload
+    and reload split their copies where one piece ends and the next begins (the fake driver, like the real one,
+    refuses a copy across two registrations), and the memory comes back whole."""
     w = Worker(tmp_path, env={"CRYOSLEEP_PIN_PIECE": piece})
     try:
         assert w.driver.prepare([0], time.monotonic() + 30) == {}

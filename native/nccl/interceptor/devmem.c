@@ -98,9 +98,9 @@ struct cs_dm {
   size_t stage_off; /* where OFFLOAD put it in the staging file */
 };
 
-struct cs_seg { /* one mapping of the staging file: [off, off + size) */
+struct cs_seg { /* one mapping of the staging file: [off, off + size), pinned in pieces of `piece` bytes */
   char* host;
-  size_t off, size;
+  size_t off, size, piece;
 };
 #define DM_SEGS 64
 static struct cs_seg dm_seg[DM_SEGS];
@@ -420,13 +420,17 @@ static int dm_stage_path(char* out, size_t n) {
   return snprintf(out, n, "%s/%s.devmem", dir, base ? base + 1 : ctl) < (int)n ? 0 : -1;
 }
 
-/* Pins [p, p + len) for the device's context: in one call, or (CRYOSLEEP_PIN_PIECE=bytes) in pieces with a
- * millisecond between them. Pinning blocks the process's other CUDA calls while it runs (24 GiB: 9 s on an
- * H200, docs/benchmarks.md); pieces give them a turn in between. On failure nothing is left pinned. */
-static CUresult dm_pin(char* p, size_t len) {
+/* Pins [p, p + len) for the device's context in pieces of CRYOSLEEP_PIN_PIECE bytes (default 256 MiB; 0: one
+ * call), a millisecond apart. Pinning holds the driver from the process's other CUDA calls while it runs
+ * (24 GiB in one call: 9 s on an H200); in pieces it took less time in all on an H200 (two ranks' 27 GiB each:
+ * 14.4 s in 256 MiB pieces, 16.4 s in 1 GiB, 19.6-27.3 s whole; docs/benchmarks.md). Sets *piece_out to the
+ * piece size (len when whole): a copy must not cross from one registration into the next (the driver refuses
+ * it, CUDA error 1). On failure nothing is left pinned. */
+static CUresult dm_pin(char* p, size_t len, size_t* piece_out) {
   const char* env = getenv("CRYOSLEEP_PIN_PIECE");
-  size_t piece = env && *env ? (size_t)strtoull(env, NULL, 10) : 0, page = (size_t)sysconf(_SC_PAGESIZE);
-  piece = piece ? (piece + page - 1) / page * page : len;
+  size_t piece = env && *env ? (size_t)strtoull(env, NULL, 10) : (size_t)256 << 20;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  piece = piece && piece < len ? (piece + page - 1) / page * page : len;
   CUresult r = 0;
   size_t off = 0;
   for (; off < len && r == 0; off += piece) {
@@ -435,6 +439,7 @@ static CUresult dm_pin(char* p, size_t len) {
   }
   if (r != 0)
     for (size_t undo = 0; undo + piece < off; undo += piece) cu.host_unregister(p + undo);
+  *piece_out = piece;
   return r;
 }
 
@@ -459,12 +464,13 @@ int cs_dm_prepare(char* err, size_t n) {
   close(fd);
   if (rc) return snprintf(err, n, "PREPARE: staging %zu bytes in %s: %s", grow, path, strerror(rc)), -1;
   /* pinned for the worker's device only: bench/vmm_probe.py measured the checkpoint so (docs/benchmarks.md) */
-  CUresult cr = dm_ctx((int)first_dev) != 0 ? -1 : dm_pin(p, grow - dm_stage);
+  size_t piece = 0;
+  CUresult cr = dm_ctx((int)first_dev) != 0 ? -1 : dm_pin(p, grow - dm_stage, &piece);
   if (cr != 0) {
     munmap(p, grow - dm_stage);
     return snprintf(err, n, "PREPARE: pinning %zu bytes of %s failed (CUDA error %d)", grow - dm_stage, path, cr), -1;
   }
-  dm_seg[dm_nseg++] = (struct cs_seg){p, dm_stage, grow - dm_stage};
+  dm_seg[dm_nseg++] = (struct cs_seg){p, dm_stage, grow - dm_stage, piece};
   dm_stage = grow;
   if (cs_ctl) {
     snprintf(cs_ctl->stage_path, sizeof cs_ctl->stage_path, "%s", path);
@@ -473,18 +479,21 @@ int cs_dm_prepare(char* err, size_t n) {
   return 0;
 }
 
-/* Copies [off, off + len) of the staging file from (out) or to (in) device address va. */
+/* Copies [off, off + len) of the staging file from (out) or to (in) device address va, one copy per pinned
+ * piece it touches. */
 static CUresult dm_copy(CUdeviceptr va, size_t off, size_t len, int out) {
   for (int i = 0; i < dm_nseg && len; i++) {
     struct cs_seg* g = &dm_seg[i];
-    if (off >= g->off + g->size) continue;
-    size_t k = g->off + g->size - off < len ? g->off + g->size - off : len;
-    char* h = g->host + (off - g->off);
-    CUresult r = out ? cu.d2h(h, va, k) : cu.h2d(va, h, k);
-    if (r != 0) return r;
-    va += k;
-    off += k;
-    len -= k;
+    while (len && off < g->off + g->size) {
+      size_t in_seg = off - g->off, end = (in_seg / g->piece + 1) * g->piece;
+      if (end > g->size) end = g->size;
+      size_t k = end - in_seg < len ? end - in_seg : len;
+      CUresult r = out ? cu.d2h(g->host + in_seg, va, k) : cu.h2d(va, g->host + in_seg, k);
+      if (r != 0) return r;
+      va += k;
+      off += k;
+      len -= k;
+    }
   }
   return len ? -1 : 0;
 }

@@ -41,7 +41,7 @@ def main() -> None:
                                 torch.nn.Dropout(0.1), torch.nn.Linear(args.hidden, 256)).to(dev)
     net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local]) if world > 1 else model
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    side = dist.new_group(list(range(world))) if world > 1 and args.async_groups else None
+    group2 = dist.new_group(list(range(world))) if world > 1 and args.async_groups else None
     ballast = torch.ones(int(args.mem_gib * 2**28), device=dev) if args.mem_gib else None
     gen = torch.Generator(device=dev).manual_seed(100 + rank)
     side_stop = threading.Event()
@@ -58,9 +58,9 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if side is not None:
+        if group2 is not None:
             t = torch.full((1024,), float(step + rank), device=dev)
-            work = dist.all_reduce(t, group=side, async_op=True)
+            work = dist.all_reduce(t, group=group2, async_op=True)
             work.wait()
         if ballast is not None:
             ballast.mul_(1.0)

@@ -11,6 +11,7 @@
 
 typedef uint64_t CUdeviceptr;
 static int registered; /* cuMemHostRegister calls */
+static struct { char* p; size_t n; } reg[4096]; /* the pinned ranges, as the driver keeps them */
 
 int cuMemGetAllocationGranularity(size_t* g, const void* prop, int opt) {
   (void)prop, (void)opt;
@@ -65,24 +66,41 @@ int cuDevicePrimaryCtxRetain(void** c, int d) {
   return 0;
 }
 int cuMemHostRegister_v2(void* p, size_t n, unsigned f) {
-  (void)p, (void)n, (void)f;
+  (void)f;
   static int calls;
   const char* fail = getenv("FAKECUDA_FAIL_PIN_AT"); /* that call fails, as out of memory (2) */
   if (fail && atoi(fail) == ++calls) return 2;
-  registered++;
-  return 0;
+  for (int i = 0; i < 4096; i++)
+    if (!reg[i].p) {
+      reg[i].p = p, reg[i].n = n;
+      registered++;
+      return 0;
+    }
+  return 2;
 }
-int cuMemHostUnregister(void* p) {
-  (void)p;
-  registered--;
-  return 0;
+int cuMemHostUnregister(void* p) { /* as the driver: only a registration's start address (else 713) */
+  for (int i = 0; i < 4096; i++)
+    if (reg[i].p == p) {
+      reg[i].p = NULL;
+      registered--;
+      return 0;
+    }
+  return 713;
 }
 int fakecuda_registered(void) { return registered; } /* for the tests: pinned pieces now */
+/* As the driver: a copy whose host range starts in a pinned range must end in it too (else invalid value, 1). */
+static int host_range_ok(const char* h, size_t n) {
+  for (int i = 0; i < 4096; i++)
+    if (reg[i].p && h >= reg[i].p && h < reg[i].p + reg[i].n) return h + n <= reg[i].p + reg[i].n;
+  return 1;
+}
 int cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+  if (!host_range_ok(dst, n)) return 1;
   memcpy(dst, (void*)(uintptr_t)src, n);
   return 0;
 }
 int cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+  if (!host_range_ok(src, n)) return 1;
   memcpy((void*)(uintptr_t)dst, src, n);
   return 0;
 }
