@@ -51,6 +51,9 @@ INTERCEPTOR_LIB = "libcryosleep_nccl.so"
 # off unless this is set (pinning stalls the job's CUDA calls, and on an H200 a 2-rank 24 GiB job hung with it
 # at 5 s: docs/interceptor.md, "The fast path")
 PREPARE_ENV = "CRYOSLEEP_PREPARE_EVERY_S"
+# How long a run or restore waits for an agent of the same job that is still ending (after a stop snapshot: its
+# job's processes exit, freeing device and pinned memory, and it removes the staging files; seconds at 24 GiB).
+ENDING_WAIT_S = 120.0
 
 
 def interceptor_lib() -> Path:
@@ -227,10 +230,15 @@ class Agent:
         with self.state_lock:
             self.job.write(self.spec, self.state)
 
+    def _take_lock(self) -> int:
+        if self.job.agent_ending():
+            self.log_line(f"job {self.spec.name}'s previous agent is still ending: waiting up to {ENDING_WAIT_S:g} s")
+        return self.job.take_lock(wait_ending=ENDING_WAIT_S)
+
     def launch(self) -> None:
         """Start the job fresh: a new sandbox with nproc workers."""
         become_subreaper()
-        self.lock_fd = self.job.take_lock()
+        self.lock_fd = self._take_lock()
         init = paths.native_dir() / "cryosleep-init"
         if not os.access(init, os.X_OK):
             raise CryosleepError(f"the sandbox init {init} is missing", "the native helpers were not built",
@@ -290,7 +298,7 @@ class Agent:
         become_subreaper()
 
         def before_criu(manifest: Any) -> list[str] | None:
-            self.lock_fd = self.job.take_lock()
+            self.lock_fd = self._take_lock()
             if rendezvous is None:
                 return None
             rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
+from cryosleep.agent import proctree
 from cryosleep.errors import NotFound, UsageError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -197,20 +198,47 @@ class JobDir:
             os.close(fd)
         return False
 
-    def take_lock(self) -> int:
-        """Lock the job for this agent; the fd stays open (CLOEXEC) for the agent's life."""
+    def agent_ending(self) -> bool:
+        """True when the job's agent is still alive but its job's processes are gone: after a stop snapshot it
+        ends the job, then waits for the processes to exit (freeing a GPU job's device and pinned memory takes
+        seconds), removes the fast path's staging files and finishes its bookkeeping before it lets go of the
+        lock. Its record still says running until then."""
+        try:
+            st = JobState(**json.loads(self.spec_file.read_text())["state"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return st.state in ("starting", "running") and st.init_pid > 0 and not proctree.alive(st.init_pid)
+
+    def take_lock(self, wait_ending: float = 0.0) -> int:
+        """Lock the job for this agent; the fd stays open (CLOEXEC) for the agent's life. An agent that holds it
+        while it ends (``agent_ending``: a restore right after a stop snapshot meets it) is waited for up to
+        ``wait_ending`` seconds; one whose job runs is refused at once."""
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        end = time.monotonic() + wait_ending
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                ending = self.agent_ending()
+                if ending and time.monotonic() < end:
+                    time.sleep(0.05)
+                    continue
+                os.close(fd)
+            if ending:
+                raise UsageError(
+                    f"job {self.name!r} is still ending on this machine",
+                    f"its agent still holds {self.lock_file} {wait_ending:g} s after the job's processes were gone "
+                    "(it removes the job's staging files and finishes its bookkeeping before it lets go)",
+                    f"wait until `cryosleep jobs` no longer shows {self.name!r} running, then restore again; "
+                    f"if it never ends, its agent.log in {self.path} says where it is",
+                )
             raise UsageError(
                 f"job {self.name!r} is already running on this machine",
                 f"another agent holds {self.lock_file}",
                 "pick another --name, or stop that job first",
-            ) from None
-        return fd
+            )
 
 
 def list_jobs(root: Path | None = None) -> list[tuple[JobSpec, JobState]]:

@@ -1,0 +1,111 @@
+"""A job's lock between two agents: a run or restore waits for an agent that is only ending (its job's processes
+gone, as after a stop snapshot), and is refused at once by one whose job runs. Real processes hold the lock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cryosleep.agent.job import JobDir, JobSpec, JobState
+from cryosleep.errors import UsageError
+
+HOLD = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> JobDir:
+    return JobDir("train", tmp_path)
+
+
+def hold(job: JobDir, seconds: float) -> subprocess.Popen[str]:
+    """Another agent: holds the job's lock for ``seconds``, then exits (the lock goes with it)."""
+    job.path.mkdir(parents=True, exist_ok=True)
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(job.lock_file), str(seconds)], stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout is not None and p.stdout.readline() == "locked\n"
+    return p
+
+
+@pytest.fixture
+def init() -> Iterator[subprocess.Popen[bytes]]:
+    p = subprocess.Popen(["sleep", "600"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def record(job: JobDir, init_pid: int, state: str = "running") -> None:
+    spec = JobSpec(name="train", program=["python3", "t.py"], cwd="/", env={}, nproc_per_node=1)
+    job.write(spec, JobState(state=state, init_pid=init_pid))
+
+
+def gone_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_a_running_job_is_refused_at_once(job: JobDir, init: subprocess.Popen[bytes]) -> None:
+    record(job, init.pid)
+    holder = hold(job, 30)
+    try:
+        assert not job.agent_ending()
+        start = time.monotonic()
+        with pytest.raises(UsageError, match="already running"):
+            job.take_lock(wait_ending=10)
+        assert time.monotonic() - start < 1
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_agent_that_is_ending_is_waited_for(job: JobDir) -> None:
+    """Its record says running, its job's init is gone: the lock is taken once that agent exits (1 s)."""
+    record(job, gone_pid())
+    holder = hold(job, 1.0)
+    try:
+        assert job.agent_ending()
+        start = time.monotonic()
+        fd = job.take_lock(wait_ending=20)
+        assert 0.5 < time.monotonic() - start < 10
+        assert holder.wait(5) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert job.agent_alive()  # ours now
+    os.close(fd)
+    assert not job.agent_alive()
+
+
+def test_an_agent_that_never_ends_is_refused_after_the_wait(job: JobDir) -> None:
+    record(job, gone_pid())
+    holder = hold(job, 30)
+    try:
+        start = time.monotonic()
+        with pytest.raises(UsageError, match="still ending") as e:
+            job.take_lock(wait_ending=0.5)
+        assert 0.4 < time.monotonic() - start < 5
+        assert "cryosleep jobs" in e.value.hint
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_ended_record_is_not_an_ending_agent(job: JobDir) -> None:
+    """A job suspended, exited or never started (no init yet) is not 'ending': whoever holds its lock is refused
+    at once (a second restore of one snapshot, or a run still starting)."""
+    for state, pid in (("suspended", gone_pid()), ("exited", gone_pid()), ("starting", 0)):
+        record(job, pid, state)
+        assert not job.agent_ending(), state
