@@ -193,6 +193,35 @@ def test_run_nodes_learn_each_others_underlay_and_drop_one_that_stopped_posting(
     assert node2.step() is True and nodes[0].step() is True and applied[0][-1] == ["10.9.0.2", "10.9.2.7"]
 
 
+def test_after_stop_the_overlay_is_never_changed(env: Env) -> None:
+    """The agent stops its NetPeers when the job ends, then releases the job's network: an update under way when
+    stop() is called finishes first, and a round that ends after it applies nothing (it would recreate the
+    overlay that the release removes)."""
+    entered, release, applied = threading.Event(), threading.Event(), []
+
+    def slow_apply(peers: list[str]) -> None:
+        entered.set()
+        release.wait(10)
+        applied.append(peers)
+
+    a = net_peers(env, "run3", 0, 2, "10.9.4.1", slow_apply)
+    b = net_peers(env, "run3", 1, 2, "10.9.4.2", applied.append)
+    b.round()
+    t = threading.Thread(target=a.step)
+    t.start()
+    assert entered.wait(10)
+    stopper = threading.Thread(target=a.stop)
+    stopper.start()
+    stopper.join(0.3)
+    assert stopper.is_alive()  # waits for the update under way
+    release.set()
+    stopper.join(10)
+    t.join(10)
+    assert applied == [["10.9.4.2"]]
+    b.stop()
+    assert b.step() is False and applied == [["10.9.4.2"]]  # b had applied nothing; after stop it never will
+
+
 def test_the_restore_barrier_hands_each_node_the_others_underlay(env: Env) -> None:
     rvs = [RestoreRendezvous(env.client(), "snapnet", r, 2, 20.0, underlay=f"10.9.3.{r + 1}") for r in range(2)]
     threads = [barrier_in_thread(rv) for rv in rvs]

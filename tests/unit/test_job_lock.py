@@ -46,9 +46,9 @@ def init() -> Iterator[subprocess.Popen[bytes]]:
     p.wait()
 
 
-def record(job: JobDir, init_pid: int, state: str = "running") -> None:
+def record(job: JobDir, init_pid: int, state: str = "running", ending: bool = False) -> None:
     spec = JobSpec(name="train", program=["python3", "t.py"], cwd="/", env={}, nproc_per_node=1)
-    job.write(spec, JobState(state=state, init_pid=init_pid))
+    job.write(spec, JobState(state=state, init_pid=init_pid, ending_since=time.time() if ending else None))
 
 
 def gone_pid() -> int:
@@ -89,6 +89,21 @@ def test_an_agent_that_is_ending_is_waited_for(job: JobDir) -> None:
     assert not job.agent_alive()
 
 
+def test_an_agent_that_ended_its_job_is_waited_for_while_the_processes_still_exit(
+        job: JobDir, init: subprocess.Popen[bytes]) -> None:
+    """A stop snapshot's agent records ``ending_since`` as it kills the job: the sandbox's init is still there
+    while the kernel tears down its workers (seconds for a GPU job's memory), and the lock is waited for."""
+    record(job, init.pid, ending=True)
+    holder = hold(job, 1.0)
+    try:
+        assert job.agent_ending()
+        fd = job.take_lock(wait_ending=20)
+        os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_an_agent_that_never_ends_is_refused_after_the_wait(job: JobDir) -> None:
     record(job, gone_pid())
     holder = hold(job, 30)
@@ -106,6 +121,6 @@ def test_an_agent_that_never_ends_is_refused_after_the_wait(job: JobDir) -> None
 def test_an_ended_record_is_not_an_ending_agent(job: JobDir) -> None:
     """A job suspended, exited or never started (no init yet) is not 'ending': whoever holds its lock is refused
     at once (a second restore of one snapshot, or a run still starting)."""
-    for state, pid in (("suspended", gone_pid()), ("exited", gone_pid()), ("starting", 0)):
-        record(job, pid, state)
+    for state, pid, ending in (("suspended", gone_pid(), True), ("exited", gone_pid(), False), ("starting", 0, False)):
+        record(job, pid, state, ending)
         assert not job.agent_ending(), state

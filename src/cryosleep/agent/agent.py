@@ -363,6 +363,11 @@ class Agent:
                 time.sleep(0.05)
         finally:
             self._stopping = True
+            if self.state.ending_since is None:
+                self.state.ending_since = time.time()
+                self.save_state()
+            if self.net_watch is not None:  # no more posts of this node's address, no overlay updates
+                self.net_watch.stop()
             if self.triggers is not None:
                 self.triggers.close()
             if self._server is not None:
@@ -536,6 +541,8 @@ class Agent:
         def end(sid: str) -> None:
             self.suspended_in = sid
             os.kill(self.state.init_pid, signal.SIGKILL)
+            self.state.ending_since = time.time()  # a restore of it here waits for this agent to go
+            self.save_state()
 
         ctl = {r: self.job.ctl_path(r) for r in self.spec.ranks} if self.spec.interceptor else {}
         target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,

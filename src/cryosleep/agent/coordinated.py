@@ -646,7 +646,7 @@ def net_board(run_id: str) -> str:
 
 class NetPeers:
     """The job network's overlay peers, learned from the coordinator (``run --nnodes N --coordinator URL --net
-    job`` without ``--net-peers``). For the life of the agent, this node posts its underlay address (where its
+    job`` without ``--net-peers``). While the job runs, this node posts its underlay address (where its
     route to the coordinator leaves from) on its run's board every NET_REPOST_S, reads the other nodes', and
     makes the overlay flood to those posted within NET_FRESH_S: a node that starts late is added when it comes,
     one restored on another host is followed there, one that ended is dropped. The workers meanwhile start
@@ -664,6 +664,7 @@ class NetPeers:
         self.applied: list[str] | None = None
         self.stopped = threading.Event()
         self.wait_s = 5.0  # a round waits this long for every node's entry
+        self._apply_lock = threading.Lock()  # stop() waits for an update under way; none starts after it
 
     def round(self) -> tuple[list[str], int]:
         """Post this node's address; return the other nodes' addresses (those posted within NET_FRESH_S; one on
@@ -676,13 +677,17 @@ class NetPeers:
         return sorted(set(fresh.values()) - {self.underlay}), len(fresh)
 
     def step(self) -> bool:
-        """One round, the overlay updated if the peers changed; True once every other node posted."""
+        """One round, the overlay updated if the peers changed; True once every other node posted. After stop()
+        nothing is applied: the job's network may be released already."""
         peers, heard = self.round()
-        if peers != self.applied:
-            self.apply(peers)
-            self.log(f"job network: overlay peers {', '.join(peers) or 'none'} ({heard} of {self.nnodes - 1} other "
-                     "node(s) told their address to the coordinator; those on this host need none)")
-            self.applied = peers
+        with self._apply_lock:
+            if self.stopped.is_set():
+                return False
+            if peers != self.applied:
+                self.apply(peers)
+                self.log(f"job network: overlay peers {', '.join(peers) or 'none'} ({heard} of {self.nnodes - 1} "
+                         "other node(s) told their address to the coordinator; those on this host need none)")
+                self.applied = peers
         return heard >= self.nnodes - 1
 
     def _loop(self) -> None:
@@ -703,4 +708,7 @@ class NetPeers:
         return self
 
     def stop(self) -> None:
-        self.stopped.set()
+        """No new round (posting this node's address) and no overlay change from here on; an update under way is
+        waited for. Called when the job ended, before its network is released."""
+        with self._apply_lock:
+            self.stopped.set()

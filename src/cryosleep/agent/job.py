@@ -111,6 +111,7 @@ class JobState:
     restored_from: str | None = None
     last_snapshot: str | None = None
     snapshot_in_progress: str | None = None
+    ending_since: float | None = None  # the agent is ending its job (a stop snapshot ended it, or it exited)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,15 +200,17 @@ class JobDir:
         return False
 
     def agent_ending(self) -> bool:
-        """True when the job's agent is still alive but its job's processes are gone: after a stop snapshot it
-        ends the job, then waits for the processes to exit (freeing a GPU job's device and pinned memory takes
+        """True when the job's agent is still alive but its job is ending or gone: after a stop snapshot it
+        ends the job, waits for the processes to exit (freeing a GPU job's device and pinned memory takes
         seconds), removes the fast path's staging files and finishes its bookkeeping before it lets go of the
-        lock. Its record still says running until then."""
+        lock. Its record says running until then, with ``ending_since`` set."""
         try:
             st = JobState(**json.loads(self.spec_file.read_text())["state"])
         except (OSError, ValueError, KeyError, TypeError):
             return False
-        return st.state in ("starting", "running") and st.init_pid > 0 and not proctree.alive(st.init_pid)
+        if st.state not in ("starting", "running"):
+            return False
+        return st.ending_since is not None or (st.init_pid > 0 and not proctree.alive(st.init_pid))
 
     def take_lock(self, wait_ending: float = 0.0) -> int:
         """Lock the job for this agent; the fd stays open (CLOEXEC) for the agent's life. An agent that holds it
