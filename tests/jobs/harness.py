@@ -17,6 +17,7 @@ from typing import Any
 
 from cryosleep.agent import proctree
 from cryosleep.agent.job import JobDir
+from cryosleep.net import sandbox as net_sandbox
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 DEMO_TRAIN = Path(__file__).resolve().parents[2] / "src" / "cryosleep" / "workloads" / "demo_train.py"
@@ -146,8 +147,9 @@ class Harness:
         return proctree.tree(st.init_pid)
 
     def kill_all(self, name: str) -> None:
-        """SIGKILL the job's agent and every process of its sandbox."""
-        _, st = self.job(name).read()
+        """SIGKILL the job's agent and every process of its sandbox; then remove its job network here, unless
+        another node's sandbox still uses it (the killed agent cannot: the test leaves no bridge behind)."""
+        spec, st = self.job(name).read()
         tree = proctree.tree(st.init_pid)
         for pid in [st.agent_pid, *tree]:
             try:
@@ -157,6 +159,8 @@ class Harness:
         end = time.monotonic() + 10
         while time.monotonic() < end and any(proctree.alive(p) for p in [st.agent_pid, *tree]):
             time.sleep(0.05)
+        if spec.net:
+            net_sandbox.release(spec.net, own_end=st.net_end)
 
     def ls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = self.cli_json("ls")

@@ -185,7 +185,6 @@ class Agent:
         self.restore_phases: dict[str, float] = {}
         self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
         self.triggers: TriggerRunner | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
-        self.net_end: str | None = None  # the sandbox's veth host end on the job network (--net job)
         self.devmem_dirs: set[Path] = set()  # a restored job's fast-path staging directories
         # (multi-node jobs) the coordinator's URL and token: it runs every snapshot of the job, on all nodes
         self.coordinator: tuple[str, str] | None = None
@@ -279,7 +278,7 @@ class Agent:
             if self.spec.net:
                 os.close(go_r)
                 go_r = -1
-                self.net_end = net_sandbox.attach(self.spec.net, self.state.init_pid, self.net_peers)
+                self.state.net_end = net_sandbox.attach(self.spec.net, self.state.init_pid, self.net_peers)
                 os.write(go_w, b"1")
         finally:
             for fd in (go_r, go_w):  # without its byte, the init exits (127) and nothing runs half-networked
@@ -308,12 +307,11 @@ class Agent:
                                            progress=progress, before_criu=before_criu, gpu_map=gpu_map,
                                            net_peers=self.net_peers, relay=rendezvous)
         self.spec = restored.spec
-        self.net_end = restored.net_end
         fast = restored.manifest.nodes[0].gpu.get("fast_path") or {}
         self.devmem_dirs = {Path(e["stage_path"]).parent for e in fast.get("ranks", {}).values()}
         self.runtime = {k: v for k, v in restored.manifest.host.items() if k in ("python", "torch")}
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
-                              restored_from=restored.manifest.id)
+                              restored_from=restored.manifest.id, net_end=restored.net_end)
         self.save_state()
         self.tail = LogTail(self.job, self.spec.ranks, self.out, from_end=True)
         self.restore_phases = restored.phases.rounded()
@@ -376,7 +374,7 @@ class Agent:
         if self.tail:
             self.tail.poll(final=True)
         if self.spec.net:  # the sandbox's veth went with it; the job's bridge goes when no node uses it here
-            net_sandbox.release(self.spec.net, own_end=self.net_end)
+            net_sandbox.release(self.spec.net, own_end=self.state.net_end)
         for d in {self.job.devmem, *self.devmem_dirs}:  # the fast path's staging: the snapshots hold their copy
             shutil.rmtree(d, ignore_errors=True)
         code = os.waitstatus_to_exitcode(status)

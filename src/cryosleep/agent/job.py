@@ -112,6 +112,7 @@ class JobState:
     last_snapshot: str | None = None
     snapshot_in_progress: str | None = None
     ending_since: float | None = None  # the agent is ending its job (a stop snapshot ended it, or it exited)
+    net_end: str | None = None  # the sandbox's veth host end on the job network (--net job)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
