@@ -233,8 +233,8 @@ class JobDir:
             if ending:
                 raise UsageError(
                     f"job {self.name!r} is still ending on this machine",
-                    f"its agent still holds {self.lock_file} {wait_ending:g} s after the job's processes were gone "
-                    "(it removes the job's staging files and finishes its bookkeeping before it lets go)",
+                    f"its agent, which is ending the job, still held {self.lock_file} after {wait_ending:g} s (it "
+                    "waits for the job's processes to exit, removes the staging files and finishes its bookkeeping)",
                     f"wait until `cryosleep jobs` no longer shows {self.name!r} running, then restore again; "
                     f"if it never ends, its agent.log in {self.path} says where it is",
                 )
