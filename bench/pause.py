@@ -90,8 +90,8 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
 
 
 class StepClock:
-    """When each new line of a rank's log appeared (polled every 2 ms), until stopped: how regularly the job
-    stepped while it ran, before any snapshot."""
+    """When each new step line of a rank's log appeared (polled every 2 ms), until stopped: how regularly the job
+    stepped before the first snapshot, and its longest wait across each snapshot."""
 
     def __init__(self, log: Path) -> None:
         self.log, self.times, self.done = log, list[float](), threading.Event()

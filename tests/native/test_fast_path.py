@@ -139,6 +139,14 @@ class Worker:
         self.driver.drain(deadline)
         self.driver.quiesce(deadline)
 
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.block.close()
+        self.proc.kill()
+        self.proc.wait()
+
     def protection(self) -> str:
         """The permissions of the mapping that holds the allocation's first byte."""
         for row in Path(f"/proc/{self.proc.pid}/maps").read_text().splitlines():
@@ -150,13 +158,8 @@ class Worker:
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[Worker]:
-    w = Worker(tmp_path)
-    try:
+    with Worker(tmp_path) as w:
         yield w
-    finally:
-        w.block.close()
-        w.proc.kill()
-        w.proc.wait()
 
 
 def test_offload_releases_the_memory_and_reload_brings_it_back_at_the_same_address(worker: Worker) -> None:
@@ -198,8 +201,7 @@ def test_the_staging_file_is_pinned_whole_or_in_pieces(tmp_path: Path, piece: st
     so one piece here; 0: in one call), so that the process's other CUDA calls get a turn in between. The offload
     and reload split their copies where one piece ends and the next begins (the fake driver, like the real one,
     refuses a copy across two registrations), and the memory comes back whole."""
-    w = Worker(tmp_path, env={"CRYOSLEEP_PIN_PIECE": piece})
-    try:
+    with Worker(tmp_path, env={"CRYOSLEEP_PIN_PIECE": piece}) as w:
         assert w.driver.prepare([0], time.monotonic() + 30) == {}
         assert w.block.devmem.stage_bytes == 64 << 20
         assert w.ask("pinned") == f"pinned {calls}"
@@ -207,24 +209,15 @@ def test_the_staging_file_is_pinned_whole_or_in_pieces(tmp_path: Path, piece: st
         assert w.driver.offload([0], time.monotonic() + 30) == {}
         w.driver.reload([0], time.monotonic() + 30)
         assert w.ask("digest") == f"digest {w.digest}"
-    finally:
-        w.block.close()
-        w.proc.kill()
-        w.proc.wait()
 
 
 def test_a_piece_that_cannot_be_pinned_leaves_nothing_pinned(tmp_path: Path) -> None:
     """The 10th of 64 pieces fails (out of memory): PREPARE answers with the error, the nine pinned before it are
     unpinned, and no staging size is published (a snapshot takes the plain path for the rank)."""
-    w = Worker(tmp_path, env={"CRYOSLEEP_PIN_PIECE": "1048576", "FAKECUDA_FAIL_PIN_AT": "10"})
-    try:
+    with Worker(tmp_path, env={"CRYOSLEEP_PIN_PIECE": "1048576", "FAKECUDA_FAIL_PIN_AT": "10"}) as w:
         failed = w.driver.prepare([0], time.monotonic() + 30)
         assert "pinning" in failed[0] and "CUDA error 2" in failed[0], failed
         assert w.ask("pinned") == "pinned 0" and w.block.devmem.stage_bytes == 0
-    finally:
-        w.block.close()
-        w.proc.kill()
-        w.proc.wait()
 
 
 def test_work_submitted_through_the_driver_waits_while_the_memory_is_out(worker: Worker) -> None:
@@ -276,8 +269,7 @@ def test_rebuild_brings_offloaded_memory_back_first(worker: Worker) -> None:
 
 def test_a_worker_that_never_calls_nccl_gets_its_block_from_its_first_served_allocation(tmp_path: Path) -> None:
     """One-rank jobs: no communicator, yet the fast path's commands need the control block."""
-    w = Worker(tmp_path, nccl=False)
-    try:
+    with Worker(tmp_path, nccl=False) as w:
         assert w.block.devmem.on and w.block.comms() == []
         assert w.driver.prepare([0], time.monotonic() + 30) == {}
         w.quiesce()  # nothing to drain or destroy
@@ -287,10 +279,6 @@ def test_a_worker_that_never_calls_nccl_gets_its_block_from_its_first_served_all
         assert w.ask("digest") == f"digest {w.digest}"
         w.driver.resume()
         assert w.block.state()[0] == State.RUNNING
-    finally:
-        w.block.close()
-        w.proc.kill()
-        w.proc.wait()
 
 
 def test_nccls_ras_thread_may_run_during_the_copy(worker: Worker) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,13 +30,19 @@ def job(tmp_path: Path) -> JobDir:
     return JobDir("train", tmp_path)
 
 
-def hold(job: JobDir, seconds: float) -> subprocess.Popen[str]:
-    """Another agent: holds the job's lock for ``seconds``, then exits (the lock goes with it)."""
+@contextmanager
+def hold(job: JobDir, seconds: float) -> Iterator[subprocess.Popen[str]]:
+    """Another agent: holds the job's lock for ``seconds``, then exits (the lock goes with it); killed on leaving
+    the block at the latest."""
     job.path.mkdir(parents=True, exist_ok=True)
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(job.lock_file), str(seconds)], stdout=subprocess.PIPE,
                          text=True)
-    assert p.stdout is not None and p.stdout.readline() == "locked\n"
-    return p
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "locked\n"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
 
 
 @pytest.fixture
@@ -59,31 +66,25 @@ def gone_pid() -> int:
 
 def test_a_running_job_is_refused_at_once(job: JobDir, init: subprocess.Popen[bytes]) -> None:
     record(job, init.pid)
-    holder = hold(job, 30)
-    try:
+    with hold(job, 30):
         assert not job.agent_ending()
         start = time.monotonic()
         with pytest.raises(UsageError, match="already running"):
             job.take_lock(wait_ending=10)
         assert time.monotonic() - start < 1
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_an_agent_that_is_ending_is_waited_for(job: JobDir) -> None:
     """Its record says running, its job's init is gone: the lock is taken once that agent exits (1 s)."""
     record(job, gone_pid())
-    holder = hold(job, 1.0)
-    try:
+    waits: list[float] = []
+    with hold(job, 1.0) as holder:
         assert job.agent_ending()
         start = time.monotonic()
-        fd = job.take_lock(wait_ending=20)
+        fd = job.take_lock(wait_ending=20, on_wait=lambda: waits.append(time.monotonic()))
         assert 0.5 < time.monotonic() - start < 10
         assert holder.wait(5) == 0
-    finally:
-        holder.kill()
-        holder.wait()
+    assert len(waits) == 1  # told once, as the wait began
     assert job.agent_alive()  # ours now
     os.close(fd)
     assert not job.agent_alive()
@@ -94,28 +95,20 @@ def test_an_agent_that_ended_its_job_is_waited_for_while_the_processes_still_exi
     """A stop snapshot's agent records ``ending_since`` as it kills the job: the sandbox's init is still there
     while the kernel tears down its workers (seconds for a GPU job's memory), and the lock is waited for."""
     record(job, init.pid, ending=True)
-    holder = hold(job, 1.0)
-    try:
+    with hold(job, 1.0):
         assert job.agent_ending()
         fd = job.take_lock(wait_ending=20)
         os.close(fd)
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_an_agent_that_never_ends_is_refused_after_the_wait(job: JobDir) -> None:
     record(job, gone_pid())
-    holder = hold(job, 30)
-    try:
+    with hold(job, 30):
         start = time.monotonic()
         with pytest.raises(UsageError, match="still ending") as e:
             job.take_lock(wait_ending=0.5)
         assert 0.4 < time.monotonic() - start < 5
         assert "cryosleep jobs" in e.value.hint
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_an_ended_record_is_not_an_ending_agent(job: JobDir) -> None:

@@ -230,9 +230,10 @@ class Agent:
             self.job.write(self.spec, self.state)
 
     def _take_lock(self) -> int:
-        if self.job.agent_ending():
+        def say() -> None:
             self.log_line(f"job {self.spec.name}'s previous agent is still ending: waiting up to {ENDING_WAIT_S:g} s")
-        return self.job.take_lock(wait_ending=ENDING_WAIT_S)
+
+        return self.job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say)
 
     def launch(self) -> None:
         """Start the job fresh: a new sandbox with nproc workers."""

@@ -23,13 +23,14 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
 from cryosleep.agent import proctree
-from cryosleep.errors import NotFound, UsageError
+from cryosleep.errors import CryosleepError, NotFound, UsageError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -206,20 +207,22 @@ class JobDir:
         seconds), removes the fast path's staging files and finishes its bookkeeping before it lets go of the
         lock. Its record says running until then, with ``ending_since`` set."""
         try:
-            st = JobState(**json.loads(self.spec_file.read_text())["state"])
-        except (OSError, ValueError, KeyError, TypeError):
+            st = self.read()[1]  # without a live agent: "lost", not ending
+        except (CryosleepError, OSError, ValueError, KeyError, TypeError):
             return False
         if st.state not in ("starting", "running"):
             return False
         return st.ending_since is not None or (st.init_pid > 0 and not proctree.alive(st.init_pid))
 
-    def take_lock(self, wait_ending: float = 0.0) -> int:
+    def take_lock(self, wait_ending: float = 0.0, on_wait: Callable[[], None] | None = None) -> int:
         """Lock the job for this agent; the fd stays open (CLOEXEC) for the agent's life. An agent that holds it
         while it ends (``agent_ending``: a restore right after a stop snapshot meets it) is waited for up to
-        ``wait_ending`` seconds; one whose job runs is refused at once."""
+        ``wait_ending`` seconds (``on_wait`` is called once as that wait begins); one whose job runs is refused
+        at once."""
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         end = time.monotonic() + wait_ending
+        waited = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -227,6 +230,9 @@ class JobDir:
             except BlockingIOError:
                 ending = self.agent_ending()
                 if ending and time.monotonic() < end:
+                    if not waited and on_wait is not None:
+                        on_wait()
+                    waited = True
                     time.sleep(0.05)
                     continue
                 os.close(fd)
