@@ -36,8 +36,9 @@ def test_foreground_run_streams_ranks_and_returns_the_exit_code(h: Harness) -> N
     assert h.state("fg") == "exited"
 
     bad = run_fg(h, "--nproc-per-node", "2", "--name", "fg", str(workload("exit_code")), "3")
-    assert bad.returncode == 3
+    assert bad.returncode == 1  # as torchrun: the worker's own code is in the report and the job's record
     assert "failed with exit code 3" in bad.stderr and "rank 1: exit 3" in bad.stderr
+    assert "rank      : 1 (local_rank: 1)" in bad.stderr and "exitcode  : 3" in bad.stderr
     jobs = json.loads(h.cli("jobs", "--json").stdout)
     assert [(j["job"], j["state"], j["exit_code"]) for j in jobs] == [("fg", "failed", 3)]
     assert h.job("fg").rank_log(1).read_text().startswith("hello from rank 1")
