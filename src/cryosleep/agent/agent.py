@@ -38,6 +38,8 @@ from cryosleep.store.local import LocalStore
 from cryosleep.triggers.runner import TriggerRunner
 
 PR_SET_CHILD_SUBREAPER = 36
+# the signals the sandbox's init passes on to the workers (native/init/cryosleep-init.c); others become SIGTERM
+INIT_FORWARDS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
 
 
 def become_subreaper() -> None:
@@ -341,18 +343,28 @@ class Agent:
         if self.triggers is not None and self.triggers.on_signal(signum):  # a stop snapshot instead
             return
         self._signals += 1
-        sig = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
+        # as torchrun: the signal itself to the workers (the ones the sandbox's init passes on), then SIGKILL
+        sig = (signum if signum in INIT_FORWARDS else signal.SIGTERM) if self._signals == 1 else signal.SIGKILL
         try:
             os.kill(self.state.init_pid, sig)
         except ProcessLookupError:
             pass
 
+    def handled_signals(self) -> set[int]:
+        """SIGINT, SIGTERM, SIGHUP and the job's --signals-to-handle (torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE);
+        SIGUSR1 is a snapshot trigger when the job has triggers."""
+        names = [n.strip() for n in self.spec.signals_to_handle.split(",") if n.strip()]
+        sigs = {int(signal.Signals[n]) for n in names if n in signal.Signals.__members__}
+        sigs |= {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        if self.triggers is not None:
+            sigs.add(signal.SIGUSR1)
+        return sigs - {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD}
+
     def serve(self) -> int:
         """Supervise until the job ends; returns its exit code (EXIT_SUSPENDED after a stop snapshot)."""
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, self._on_signal)
+        for sig in self.handled_signals():
+            signal.signal(sig, self._on_signal)
         if self.triggers is not None:
-            signal.signal(signal.SIGUSR1, self._on_signal)
             self.triggers.start()
         self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log))
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
