@@ -318,6 +318,8 @@ class Agent:
 
         def before_criu(manifest: Any) -> list[str] | None:
             self.lock_fd = self._take_lock()
+            for r in self.spec.ranks:  # a later run's error reports: never read as the restored job's
+                failures.error_file(self.job, r).unlink(missing_ok=True)
             if rendezvous is None:
                 return None
             rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
