@@ -15,7 +15,8 @@
  *
  * The init calls setsid() (CRIU refuses a tree whose session leader is outside its PID namespace),
  * starts NPROC workers with LOCAL_RANK=i, RANK=RANK_BASE+i (and torchrun's ROLE_RANK; every "{rank}" in
- * CRYOSLEEP_NCCL_CTL becomes the worker's RANK, so that each has its own NCCL control file), stdin on /dev/null
+ * CRYOSLEEP_NCCL_CTL and TORCHELASTIC_ERROR_FILE becomes the worker's RANK, so that each has its own NCCL
+ * control file and error file), stdin on /dev/null
  * and stdout/stderr appended to LOG_DIR/rank-<RANK>.log, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2
  * to them, reaps every process (orphans included), and writes each worker's exit status to
  * LOG_DIR/rank-<RANK>.exit. When a worker fails the others are sent SIGTERM, then SIGKILL after
@@ -121,6 +122,7 @@ static pid_t start_worker(int local_rank, int rank, const char *log_dir, char **
 	setenv("RANK", buf, 1);
 	setenv("ROLE_RANK", buf, 1);
 	expand_rank("CRYOSLEEP_NCCL_CTL", buf);
+	expand_rank("TORCHELASTIC_ERROR_FILE", buf);
 
 	int null = open("/dev/null", O_RDONLY);
 	snprintf(path, sizeof(path), "%s/rank-%d.log", log_dir, rank);

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cryosleep import metrics, paths
-from cryosleep.agent import coordinated, proctree
+from cryosleep.agent import coordinated, failures, proctree
 from cryosleep.agent.interceptor import Cmd, State
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.agent.watchdog import Watchdog
@@ -38,6 +38,8 @@ from cryosleep.store.local import LocalStore
 from cryosleep.triggers.runner import TriggerRunner
 
 PR_SET_CHILD_SUBREAPER = 36
+# the signals the sandbox's init passes on to the workers (native/init/cryosleep-init.c); others become SIGTERM
+INIT_FORWARDS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
 
 
 def become_subreaper() -> None:
@@ -61,8 +63,12 @@ def interceptor_lib() -> Path:
     return paths.native_dir() / INTERCEPTOR_LIB
 
 
-def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | None = None) -> dict[str, str]:
-    """torchrun's environment for the workers, plus what capture needs (RANK/LOCAL_RANK come from init).
+def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | None = None,
+               error_file: Path | None = None) -> dict[str, str]:
+    """torchrun's environment for the workers, plus what capture needs (RANK/LOCAL_RANK/ROLE_RANK come from init;
+    docs/torchrun.md lists every variable and each difference from torchrun's, with its reason).
+
+    ``error_file`` is each worker's TORCHELASTIC_ERROR_FILE, with ``{rank}`` for its rank (agent/failures.py).
 
     With the interceptor (the default; ``ctl_dir`` given), every worker preloads it and gets its own control
     file, ``ctl_dir/rank-<RANK>.ctl`` (cryosleep-init replaces ``{rank}``), and NVLink multicast is off unless
@@ -76,16 +82,23 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         "ROLE_WORLD_SIZE": str(spec.world_size),
         "GROUP_RANK": str(spec.node_rank),
         "GROUP_WORLD_SIZE": str(spec.nnodes),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": spec.role,
         "MASTER_ADDR": spec.master_addr,
         "MASTER_PORT": str(spec.master_port),
-        "TORCHELASTIC_RUN_ID": spec.run_id,
+        "TORCHELASTIC_RUN_ID": spec.rdzv_id or spec.run_id,
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
+        # torchrun's c10d rendezvous has the workers use its agent's store; Cryosleep's workers make their own
+        # (rank 0 serves it), inside the captured tree, as under torchrun's static rendezvous without one
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": spec.signals_to_handle,
         # PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump (FACTS.md).
         "USE_LIBUV": "0",
         "CRYOSLEEP_JOB": spec.name,
     })
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     if spec.net:  # the job network: the sandbox's only interface besides lo (docs/network.md)
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = str(spec.net.get("ifname", "eth0"))
     if spec.nproc_per_node > 1:
@@ -194,6 +207,11 @@ class Agent:
         self.net_watch: coordinated.NetPeers | None = None  # overlay peers learned from the coordinator
         self.underlay = ""  # this host's address for them (where its route to the coordinator leaves from)
 
+    def console_ranks(self) -> list[int]:
+        """The ranks whose output the console shows (`cryosleep run --local-ranks-filter`: these local ranks)."""
+        keep = set(self.spec.local_ranks_filter)
+        return [r for i, r in enumerate(self.spec.ranks) if not keep or i in keep]
+
     def learns_peers(self) -> bool:
         """A multi-node job on the job network with a coordinator and no --net-peers: the overlay's peers are
         learned from the coordinator (coordinated.NetPeers)."""
@@ -252,6 +270,7 @@ class Agent:
         for r in self.spec.ranks:
             self.job.rank_log(r).unlink(missing_ok=True)
             (self.job.logs / f"rank-{r}.exit").unlink(missing_ok=True)
+            failures.error_file(self.job, r).unlink(missing_ok=True)
         for old in self.job.ctl.glob("rank-*.ctl"):  # a previous run's blocks: never mistaken for this one's
             old.unlink()
         devmem = None
@@ -259,7 +278,7 @@ class Agent:
             devmem = self.job.devmem
             shutil.rmtree(devmem, ignore_errors=True)
             devmem.mkdir(mode=0o700)
-        env = worker_env(self.spec, self.job.ctl, devmem)
+        env = worker_env(self.spec, self.job.ctl, devmem, failures.error_file(self.job, "{rank}"))
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
         self.save_state()
@@ -287,7 +306,7 @@ class Agent:
                     os.close(fd)
         self.state.state = "running"
         self.save_state()
-        self.tail = LogTail(self.job, self.spec.ranks, self.out)
+        self.tail = LogTail(self.job, self.console_ranks(), self.out)
 
     def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
                 timeout: float = 600.0, gpu_map: list[int] | None = None,
@@ -299,6 +318,8 @@ class Agent:
 
         def before_criu(manifest: Any) -> list[str] | None:
             self.lock_fd = self._take_lock()
+            for r in self.spec.ranks:  # a later run's error reports: never read as the restored job's
+                failures.error_file(self.job, r).unlink(missing_ok=True)
             if rendezvous is None:
                 return None
             rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
@@ -314,7 +335,7 @@ class Agent:
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
                               restored_from=restored.manifest.id, net_end=restored.net_end)
         self.save_state()
-        self.tail = LogTail(self.job, self.spec.ranks, self.out, from_end=True)
+        self.tail = LogTail(self.job, self.console_ranks(), self.out, from_end=True)
         self.restore_phases = restored.phases.rounded()
         return restored
 
@@ -324,18 +345,28 @@ class Agent:
         if self.triggers is not None and self.triggers.on_signal(signum):  # a stop snapshot instead
             return
         self._signals += 1
-        sig = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
+        # as torchrun: the signal itself to the workers (the ones the sandbox's init passes on), then SIGKILL
+        sig = (signum if signum in INIT_FORWARDS else signal.SIGTERM) if self._signals == 1 else signal.SIGKILL
         try:
             os.kill(self.state.init_pid, sig)
         except ProcessLookupError:
             pass
 
+    def handled_signals(self) -> set[int]:
+        """SIGINT, SIGTERM, SIGHUP and the job's --signals-to-handle (torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE);
+        SIGUSR1 is a snapshot trigger when the job has triggers."""
+        names = [n.strip() for n in self.spec.signals_to_handle.split(",") if n.strip()]
+        sigs = {int(signal.Signals[n]) for n in names if n in signal.Signals.__members__}
+        sigs |= {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        if self.triggers is not None:
+            sigs.add(signal.SIGUSR1)
+        return sigs - {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD}
+
     def serve(self) -> int:
         """Supervise until the job ends; returns its exit code (EXIT_SUSPENDED after a stop snapshot)."""
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, self._on_signal)
+        for sig in self.handled_signals():
+            signal.signal(sig, self._on_signal)
         if self.triggers is not None:
-            signal.signal(signal.SIGUSR1, self._on_signal)
             self.triggers.start()
         self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log))
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()

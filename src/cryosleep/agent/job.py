@@ -80,6 +80,13 @@ class JobSpec:
     # The coordinator that runs this job's snapshots on all its nodes (`cryosleep run --coordinator URL`;
     # docs/coordinator.md); empty: the agent snapshots its node on its own. Its token is never recorded.
     coordinator: str = ""
+    # torchrun's view of the launch (`cryosleep run`'s torchrun options; docs/torchrun.md): TORCHELASTIC_RUN_ID
+    # (empty: run_id, as before it was recorded apart), ROLE_NAME, the local ranks the console shows (empty:
+    # all), TORCHELASTIC_SIGNALS_TO_HANDLE
+    rdzv_id: str = ""
+    role: str = "default"
+    local_ranks_filter: list[int] = field(default_factory=list)
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
     @property
     def world_size(self) -> int:

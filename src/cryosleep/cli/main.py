@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from cryosleep import __version__
+from cryosleep.cli import launch_args
 from cryosleep.cli.check import add_check
 from cryosleep.cli.coordinator_cmd import add_coordinator
 from cryosleep.cli.criu_cmd import add_criu
@@ -20,8 +22,17 @@ from cryosleep.cli.triggers import add_decisions
 from cryosleep.errors import CryosleepError
 
 
+class Parser(argparse.ArgumentParser):
+    """Every parser of the CLI: no option is recognised by an abbreviation (subcommands' parsers are made of
+    this class too: argparse gives a subparser its parent's class)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p: argparse.ArgumentParser = Parser(
         prog="cryosleep",
         description="Snapshot and restore running distributed PyTorch jobs, without changing their code.",
     )
@@ -40,8 +51,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``run``'s arguments are split at the script first (cli/launch_args.py): nothing after it is parsed."""
+    p = parser()
+    if argv[:1] == ["run"]:
+        return launch_args.parse(p, argv[1:])
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse(argv)
+    except CryosleepError as e:  # run's command line, refused before anything started
+        emit_error(e, launch_args.wants_json(parser(), argv[1:]))
+        return e.exit_code
     try:
         code: int = args.func(args)
         return code
