@@ -130,7 +130,12 @@ def test_the_kubelet_signal_sequence_ends_suspended_and_the_replacement_pod_resu
     grace_period = 40.0
     cmd = [sys.executable, "-m", "cryosleep.cli.main", "run", "--name", "rs", "--nproc-per-node", "2", "--grace",
            "25s", str(SCRIPT), *ARGS]
-    pod = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=h.env)
+    err = (h.home / "pod.err").open("w")
+    pod = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=h.env)
+    deadline = time.monotonic() + 120
+    while not h.job("rs").exists():  # the agent records the job as it starts it
+        assert pod.poll() is None and time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
     h.wait_step("rs", 10)
     pod.send_signal(15)  # the kubelet: SIGTERM (no preStop hook)
     try:
@@ -138,7 +143,7 @@ def test_the_kubelet_signal_sequence_ends_suspended_and_the_replacement_pod_resu
     except subprocess.TimeoutExpired:
         pod.kill()  # the kubelet: SIGKILL at the end of the grace period
         raise AssertionError("the agent was still running at the end of the pod's grace period") from None
-    assert code == 75, pod.stderr.read() if pod.stderr else ""
+    assert code == 75, (h.home / "pod.err").read_text()[-3000:]
     assert h.state("rs") == "suspended"
     replacement = subprocess.run(cmd, capture_output=True, text=True, env=h.env, timeout=300, check=False)
     assert replacement.returncode == 0, replacement.stderr[-3000:]
