@@ -127,9 +127,9 @@ def test_the_kubelet_signal_sequence_ends_suspended_and_the_replacement_pod_resu
     """A pod's container contract: SIGTERM to the agent (the container's PID 1 runs `cryosleep run` in the
     foreground), SIGKILL once terminationGracePeriodSeconds have passed; then the Job's next pod runs the same
     command. Reproduced here without a container runtime: the same signals, at the same times."""
-    grace_period = 40.0
+    grace_period = 120.0  # generous: the test is of the sequence, not of the snapshot's speed on a loaded machine
     cmd = [sys.executable, "-m", "cryosleep.cli.main", "run", "--name", "rs", "--nproc-per-node", "2", "--grace",
-           "25s", str(SCRIPT), *ARGS]
+           "100s", str(SCRIPT), *ARGS]
     err = (h.home / "pod.err").open("w")
     pod = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=h.env)
     deadline = time.monotonic() + 120

@@ -35,21 +35,21 @@ def test_the_wheel_carries_the_native_helpers_and_runs_the_demo(tmp_path: Path, 
     assert not any("/tests/" in n or n.startswith("tests/") for n in names)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    # Its dependencies (PyTorch above all, several GB to install again) come from this interpreter's site-packages
-    # the package itself only from the wheel.
-    # through a path file, written once the wheel is in (pip would see this checkout's editable install there).
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-                    "--no-deps", str(wheel)], check=True, capture_output=True, text=True, timeout=300)
-    site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
-    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # The package only from the wheel; its dependencies (PyTorch above all, several GB to install again) from this
+    # interpreter's site-packages through a path file, written once the wheel is in (pip would see this checkout's
+    # editable install there). Nothing of the source tree on the path: not src/ (PYTHONPATH), nor the repo as cwd.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["CRYOSLEEP_CRIU_ROOT"] = REAL_CRIU_ROOT
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                    "--no-deps", str(wheel)], check=True, capture_output=True, text=True, timeout=300, env=env,
+                   cwd=tmp_path)
+    site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import cryosleep, sys; print(cryosleep.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, check=False)
     assert where.returncode == 0 and where.stdout.strip().startswith(str(venv)), where.stdout + where.stderr
     cli = str(venv / "bin" / "cryosleep")
-    init = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "cryosleep"
-    assert os.access(init / "_native" / "cryosleep-init", os.X_OK)
+    assert os.access(site / "cryosleep" / "_native" / "cryosleep-init", os.X_OK)
     inst = subprocess.run([cli, "criu", "install"], capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=600, check=False)
     assert inst.returncode == 0, inst.stderr[-2000:]
