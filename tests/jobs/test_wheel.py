@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(1200)  # a wheel build, an install and the demo's whole cycle
 def test_the_wheel_carries_the_native_helpers_and_runs_the_demo(tmp_path: Path, cryo_home: Path) -> None:
     require_criu()
     wheels = tmp_path / "wheels"
