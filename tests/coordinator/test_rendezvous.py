@@ -10,8 +10,8 @@ import pytest
 
 from cryosleep.agent import coordinated
 from cryosleep.agent.coordinated import RestoreRendezvous
-from cryosleep.agent.interceptor import InterceptorError
 from cryosleep.coordinator import rendezvous
+from cryosleep.core.interceptor import InterceptorError
 from cryosleep.errors import NotEligible, UsageError
 from tests.coordinator.helpers import Env
 

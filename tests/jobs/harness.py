@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent import proctree
-from cryosleep.agent.job import JobDir
+from cryosleep.core import proctree
+from cryosleep.core.job import JobDir
 from cryosleep.net import sandbox as net_sandbox
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"

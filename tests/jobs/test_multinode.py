@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.net import Host, job_net
 from tests.conftest import require_criu
 from tests.jobs.coordinated import Coordinator

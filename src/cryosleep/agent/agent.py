@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cryosleep import metrics, paths
-from cryosleep.agent import coordinated, proctree
-from cryosleep.agent.interceptor import Cmd, State
-from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
+from cryosleep.agent import coordinated
 from cryosleep.agent.watchdog import Watchdog
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, underlay_towards
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import Cmd, State
+from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist

@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cryosleep import paths
-from cryosleep.agent.interceptor import Cmd, InterceptorError
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Registration
 from cryosleep.coordinator.protocol import (
@@ -50,6 +49,7 @@ from cryosleep.coordinator.protocol import (
     targets_from_json,
     view_to_json,
 )
+from cryosleep.core.interceptor import Cmd, InterceptorError
 from cryosleep.cut.driver import HOLD_GRACE_S, Driver
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotEligible, NotFound
 from cryosleep.net import sandbox as net_sandbox

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryosleep import paths
-from cryosleep.agent import proctree
 from cryosleep.capture.criu_install import Criu
+from cryosleep.core import proctree
 from cryosleep.errors import CaptureFailed, RestoreFailed
 from cryosleep.net import host as net_host
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.errors import CryosleepError
 
 

@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryosleep import __version__, eligibility, paths
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import ControlBlock, InterceptorError, attach_published
-from cryosleep.agent.job import JobSpec
+from cryosleep import __version__, paths
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files, outbound
+from cryosleep.capture import criu_install, cuda, eligibility, files, outbound
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import ControlBlock, InterceptorError, attach_published
+from cryosleep.core.job import JobSpec
 from cryosleep.cut.driver import Driver
 from cryosleep.errors import CaptureFailed, CryosleepError, NotEligible
 from cryosleep.store.local import LocalStore, Staging, hash_tree

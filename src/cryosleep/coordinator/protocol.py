@@ -60,7 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryosleep.agent.interceptor import CommSlot
+from cryosleep.core.interceptor import CommSlot
 from cryosleep.cut.rules import CommTarget, RankView
 from cryosleep.errors import CryosleepError
 

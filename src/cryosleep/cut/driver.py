@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from cryosleep.agent.interceptor import (
+from cryosleep.core.interceptor import (
     Cmd,
     ControlBlock,
     InterceptorError,

@@ -27,7 +27,7 @@ import enum
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cryosleep.agent.interceptor import CommSlot, Rebuild, SlotState, WaitKind
+from cryosleep.core.interceptor import CommSlot, Rebuild, SlotState, WaitKind
 
 Pair = tuple[int, int]  # (sender's rank, receiver's rank), in the communicator
 

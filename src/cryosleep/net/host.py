@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cryosleep.agent import proctree
 from cryosleep.capture import criu_install
 from cryosleep.capture.criu_install import iproute_argv
+from cryosleep.core import proctree
 from cryosleep.errors import CryosleepError, IprouteUnavailable
 from cryosleep.net.plan import VXLAN_PORT, JobNet
 

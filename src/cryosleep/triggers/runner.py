@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cryosleep import metrics, paths
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.errors import Busy, CryosleepError, NotFound
 from cryosleep.store.local import LocalStore
 from cryosleep.triggers import decisions, notices, schedule

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import ControlBlock, flag_reasons
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import ControlBlock, flag_reasons
 from cryosleep.errors import CryosleepError
 
 
