@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from cryosleep import metrics, paths
 from cryosleep.agent import coordinated
@@ -36,7 +36,6 @@ from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, Usag
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
-from cryosleep.triggers.runner import TriggerRunner
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -165,6 +164,20 @@ class LogTail:
                 self.out.flush()
 
 
+class Triggers(Protocol):
+    """What the agent runs beside its job to turn signals, notices and schedules into snapshots
+    (``cryosleep.triggers.runner.TriggerRunner``; the CLI attaches one as ``Agent.triggers``)."""
+
+    def start(self) -> None:
+        """Called by :meth:`Agent.serve` once the job runs."""
+
+    def on_signal(self, signum: int) -> bool:
+        """From the agent's signal handler (main thread: must not block); True when handled there."""
+
+    def close(self) -> None:
+        """Called as the agent ends."""
+
+
 class Agent:
     net_peers: tuple[str, ...] = ()  # the job network's overlay peers (other hosts' addresses), if it spans hosts
 
@@ -185,7 +198,7 @@ class Agent:
         self._handlers: list[threading.Thread] = []
         self.restore_phases: dict[str, float] = {}
         self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
-        self.triggers: TriggerRunner | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
+        self.triggers: Triggers | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
         self.devmem_dirs: set[Path] = set()  # a restored job's fast-path staging directories
         # (multi-node jobs) the coordinator's URL and token: it runs every snapshot of the job, on all nodes
         self.coordinator: tuple[str, str] | None = None
@@ -225,6 +238,13 @@ class Agent:
         return proctree.alive(self.state.init_pid)
 
     # -- starting ---------------------------------------------------------------------------------
+
+    def snapshot_busy(self) -> bool:
+        return self.snap_lock.locked()
+
+    def track(self, thread: threading.Thread) -> None:
+        """A thread to wait for before the agent exits (a request's handler, a stop snapshot)."""
+        self._handlers.append(thread)
 
     def save_state(self) -> None:
         with self.state_lock:
@@ -324,6 +344,10 @@ class Agent:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.triggers is not None and self.triggers.on_signal(signum):  # a stop snapshot instead
             return
+        self.forward_signal(signum)
+
+    def forward_signal(self, signum: int) -> None:
+        """The usual path of a signal to the agent: SIGTERM to the workers, SIGKILL at the second one."""
         self._signals += 1
         sig = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
         try:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 from cryosleep import paths
 from cryosleep.cli.output import age_arg, emit_json, human_bytes, table
 from cryosleep.errors import StoreCorrupt
-from cryosleep.store.backend import open_backend
 from cryosleep.store.gc import GRACE_S, collect
 from cryosleep.store.persist import is_remote
 from cryosleep.store.retention import Decision, Policy, SnapshotInfo, decide
+from cryosleep.store.urls import open_backend
 
 if TYPE_CHECKING:
     from cryosleep.store.cas import ChunkStore, Snapshot

@@ -3,11 +3,12 @@ content-addressed chunk store with local and S3 backends (:mod:`cryosleep.store.
 
 from typing import Any
 
-from cryosleep.store.backend import Backend, BackendError, LocalBackend, ObjectInfo, ObjectNotFound, open_backend
+from cryosleep.store.backend import Backend, BackendError, LocalBackend, ObjectInfo, ObjectNotFound
 from cryosleep.store.gc import GcReport, collect
 from cryosleep.store.local import LocalStore, Staging
 from cryosleep.store.manifest import FORMAT_VERSION, FileEntry, Manifest, NodeImage, StagedFile
 from cryosleep.store.retention import Decision, Policy, SnapshotInfo, decide
+from cryosleep.store.urls import open_backend
 
 # The chunk store needs numpy, zstandard and cryptography; the capture path (local store, manifest) must
 # import without them (the GPU machines run Cryosleep from source with only their own packages), so

@@ -6,7 +6,7 @@ an integrity check on both sides of every transfer. Object names are ``/``-separ
 without ``..``. ``ObjectInfo.mtime`` comes from the backend's own clock (the file system's, the S3
 server's), so the GC compares times from one clock only (see :mod:`cryosleep.store.gc`).
 
-Backends, picked by :func:`open_backend` from a store URL:
+Backends, picked by :func:`cryosleep.store.urls.open_backend` from a store URL:
 
 - a directory path: :class:`LocalBackend` over ``<dir>/cas/`` (beside the directory store's
   ``snapshots/``); writes go to a temporary file, are fsynced and renamed into place;
@@ -45,7 +45,6 @@ __all__ = [
     "ObjectInfo",
     "ObjectNotFound",
     "check_name",
-    "open_backend",
 ]
 
 _COPY = 8 << 20
@@ -243,19 +242,3 @@ class LocalBackend:
     def destroy(self) -> None:
         """Remove every object (tests)."""
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def open_backend(url: str | Path) -> Backend:
-    """The backend a store URL names: ``s3://bucket[/prefix]`` or a directory (its ``cas/`` folder)."""
-    text = str(url)
-    if text.startswith(("s3://", "s3:/")):  # "s3:/" too: argparse type=Path folds the double slash
-        from cryosleep.store.s3 import S3Backend
-
-        rest = text.split(":/", 1)[1].lstrip("/")
-        bucket, _, prefix = rest.partition("/")
-        if not bucket:
-            raise UsageError(f"invalid store URL {text!r}", "no bucket", "write s3://BUCKET[/PREFIX]")
-        return S3Backend(bucket, prefix)
-    if "://" in text:
-        raise UsageError(f"unsupported store URL {text!r}", "only directories and s3:// are supported", "")
-    return LocalBackend(Path(text) / "cas")

@@ -63,7 +63,7 @@ MAGIC = b"CSC1"
 F_ZSTD = 1
 F_SEALED = 2
 ZSTD_LEVEL = 3
-CHUNKS = "chunks/"
+CHUNKS = gcmod.CHUNKS
 SNAPSHOTS = "snapshots/"
 
 

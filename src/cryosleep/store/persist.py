@@ -120,8 +120,8 @@ class RemoteConfig:
 
 def open_chunk_store(url: str | Path) -> ChunkStore:
     # Imported here: the chunk store needs numpy, zstandard and cryptography; the capture path does not.
-    from cryosleep.store.backend import open_backend
     from cryosleep.store.cas import ChunkStore
+    from cryosleep.store.urls import open_backend
 
     return ChunkStore(open_backend(normalize_url(url)))
 
