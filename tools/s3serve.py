@@ -22,10 +22,10 @@ and records them in the prefix's marker; ``update-lock`` re-pins.
 
 Module CLI (``make s3server`` runs ``install``)::
 
-    python -m cryosleep.store.s3serve [--json] install [--force]
-    python -m cryosleep.store.s3serve [--json] status
-    python -m cryosleep.store.s3serve [--json] update-lock [--out FILE]
-    python -m cryosleep.store.s3serve serve DIR [--port P]      (until interrupted; prints the credentials)
+    python tools/s3serve.py [--json] install [--force]
+    python tools/s3serve.py [--json] status
+    python tools/s3serve.py [--json] update-lock [--out FILE]
+    python tools/s3serve.py serve DIR [--port P]      (until interrupted; prints the credentials)
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ EXCLUDED_PACKAGES = frozenset({
     "readline-common", "systemd", "systemd-standalone-sysusers", "tzdata",
 })  # fmt: skip
 INSTALL_HINT = (
-    "run `make s3server` (or `python -m cryosleep.store.s3serve install`) on a machine that reaches a Debian "
+    "run `make s3server` (or `python tools/s3serve.py install`) on a machine that reaches a Debian "
     "mirror, or point $CRYOSLEEP_RADOSGW_ROOT at a directory holding an installed prefix"
 )
-UPDATE_HINT = "run `python -m cryosleep.store.s3serve update-lock` to pin the versions the archive serves now"
+UPDATE_HINT = "run `python tools/s3serve.py update-lock` to pin the versions the archive serves now"
 _START_TIMEOUT_S = 60.0
 
 
@@ -124,7 +124,7 @@ def load_lock(path: Path | None = None) -> GatewayLock:
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
         raise RadosgwUnavailable(f"the radosgw lock {path} is not valid", repr(e),
                                  "restore it from the Cryosleep source tree, or regenerate it with "
-                                 "`python -m cryosleep.store.s3serve update-lock`") from e
+                                 "`python tools/s3serve.py update-lock`") from e
     for p in pkgs:
         if not re.fullmatch(r"[0-9a-f]{64}", p.sha256) or not p.basename.endswith(".deb"):
             raise RadosgwUnavailable(f"the radosgw lock {path} is not valid", f"bad entry {p}", "")
@@ -207,7 +207,7 @@ def _download(lock: GatewayLock, dest: Path, say: debs.Progress) -> tuple[dict[s
             missing = [p.name for p in lock.packages if p.name not in recs]
             if missing:
                 raise RadosgwUnavailable(f"Debian {lock.suite} no longer has {', '.join(missing)}", "",
-                                         "run `python -m cryosleep.store.s3serve update-lock`, then install") from e
+                                         "run `python tools/s3serve.py update-lock`, then install") from e
             current = [debs.LockedPackage(n, r["Version"], r["Filename"], r["SHA256"].lower(), int(r["Size"]))
                        for n, r in recs.items()]
             out = apt.download(current, dest)
@@ -233,7 +233,7 @@ def install(*, force: bool = False, progress: debs.Progress | None = None) -> Pa
     if lock.architecture != host.debian:
         raise RadosgwUnavailable(f"the radosgw lock is for {lock.architecture}, this machine is {host.debian}",
                                  f"{LOCK_PATH} pins {lock.architecture}",
-                                 "run `python -m cryosleep.store.s3serve update-lock` on this machine")
+                                 "run `python tools/s3serve.py update-lock` on this machine")
     root = _root()
     final = lock.prefix_dir()
     with debs.install_lock(root):
@@ -475,7 +475,7 @@ def _signed_request(endpoint: str, method: str, path: str, access: str, secret: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cryosleep.store.s3serve",
+    p = argparse.ArgumentParser(prog="python tools/s3serve.py",
                                 description="Install and run the loopback S3 server the store's tests use.")
     p.add_argument("--json", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
