@@ -10,6 +10,8 @@ a cycle a reader has to hold in their head). ``from cryosleep.x import y`` count
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,9 +151,31 @@ def test_files_are_small() -> None:
     assert big == {}
 
 
+def _repo_files() -> Iterator[Path]:
+    for top in ("src", "tests", "docs", "bench", "native", "tools"):
+        for p in sorted((REPO / top).rglob("*")):
+            if p.is_file() and p.suffix in (".py", ".md", ".c", ".h", ".txt", ".toml", ".sh") and p != Path(__file__):
+                yield p
+    for name in ("README.md", "Makefile", "pyproject.toml"):
+        if (REPO / name).is_file():
+            yield REPO / name
+
+
+# What a pointer out of the repository looks like: the notes file kept beside the project during its
+# development, or a path that climbs into a sibling checkout.
+OUTSIDE = re.compile(r"FACTS\.md|\.\./shared\b|/work/shared\b|/work/main\b")
+
+
+def test_names_no_file_outside_the_repo() -> None:
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in _repo_files()
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]
+    assert hits == []
+
+
 def test_the_checks_can_fail() -> None:
     """The graph code finds a cycle and an upward import when there is one (guards against a test that
     passes because it reads nothing)."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert len(GRAPH) > 50 and GRAPH["cryosleep.capture.snapshot"]
+    assert OUTSIDE.search("as seen (FACTS.md)") and OUTSIDE.search("../shared/x") and not OUTSIDE.search("docs/facts.md")
     assert _layer_of("cryosleep.cli.main") > _layer_of("cryosleep.agent.agent") > _layer_of("cryosleep.core.job")

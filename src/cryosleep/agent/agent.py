@@ -82,7 +82,8 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         "TORCHELASTIC_RUN_ID": spec.run_id,
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
-        # PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump (FACTS.md).
+        # PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump; without libuv it holds none
+        # (UV_USE_IO_URING=0 does not help: docs/facts.md).
         "USE_LIBUV": "0",
         "CRYOSLEEP_JOB": spec.name,
     })
@@ -94,7 +95,7 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         lib = str(interceptor_lib())
         env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
         env["CRYOSLEEP_NCCL_CTL"] = str(ctl_dir / "rank-{rank}.ctl")
-        # NVLink multicast (NVLS) state cannot be checkpointed (FACTS.md)
+        # NVLink multicast (NVLS) state cannot be checkpointed (docs/facts.md)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         if spec.fast_path and devmem_dir is not None:
             env.setdefault("CRYOSLEEP_DEVMEM", "1")

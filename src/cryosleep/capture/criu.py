@@ -1,7 +1,7 @@
 """Calling CRIU: dump a sandbox's process tree, restore it, and undo what a failed dump leaves behind.
 
 One sandbox (a PID namespace whose init is ``cryosleep-init``) is one CRIU tree. Dumps always use
-``--tcp-established`` with the nftables network lock (FACTS.md: the iptables lock does not work here) and
+``--tcp-established`` with the nftables network lock (docs/facts.md: the iptables lock does not work here) and
 either ``--leave-running`` (keep-running snapshots) or ``--leave-stopped`` (stop snapshots: the job is held
 still until its image is verified, then killed, or resumed if anything failed).
 """
@@ -26,7 +26,7 @@ from cryosleep.errors import CaptureFailed, RestoreFailed
 from cryosleep.net import host as net_host
 
 RUN_ID_RE = re.compile(r"CRIU run id = ([0-9a-f-]+)")
-# CRIU prints this on every run here; it is harmless (FACTS.md).
+# CRIU prints this on every run here; it is harmless (docs/facts.md).
 NOISE = ("Can't setup RLIMIT_NOFILE",)
 GHOST_LIMIT = 64 * 1024 * 1024
 # After its action script is ended, CRIU rolls back by itself within this time, or is killed.

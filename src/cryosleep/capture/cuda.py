@@ -1,4 +1,4 @@
-"""The CUDA driver's checkpoint API, called from the agent on the workers' PIDs (FACTS.md).
+"""The CUDA driver's checkpoint API, called from the agent on the workers' PIDs (as verified: docs/facts.md).
 
     lock(pid, timeout)      wait for the process's in-flight GPU work, then block its CUDA calls
     checkpoint(pid)         copy its device memory to host memory and release the GPU
@@ -204,8 +204,8 @@ def cuda_processes(root_pid: int) -> list[int]:
 
 def uuid_pairs(old: Sequence[str], new: Sequence[str]) -> list[tuple[bytes, bytes]]:
     """The restore map for a process that saw GPUs ``old`` (UUID strings, in order) and now runs where the
-    same positions hold ``new``. Every GPU the process sees must be in the map (FACTS.md), so the map is
-    total over ``old`` and a permutation of ``new``."""
+    same positions hold ``new``. Every GPU the process sees must be in the map (a partial map fails with
+    "invalid argument": docs/facts.md), so the map is total over ``old`` and a permutation of ``new``."""
     if len(old) != len(new):
         raise CryosleepError("the GPU map does not fit", f"{len(old)} GPUs at capture, {len(new)} here",
                              "restore onto a machine with the same number of GPUs")

@@ -190,7 +190,7 @@ def _gpu_process(pid: int, who: str) -> list[Check]:
     if nccl and not intercepted:
         out.append(Check("nccl", False, f"{who} has NCCL loaded without Cryosleep's interceptor: if it holds live "
                                         "communicators, the CUDA checkpoint fails and the snapshot is rolled back "
-                                        "(FACTS.md)", fatal=False))
+                                        "(docs/facts.md)", fatal=False))
     try:
         managed = managed_memory_bytes(Path(f"/proc/{pid}/maps").read_text())
     except OSError:
