@@ -179,7 +179,7 @@ def _command(prefix: Path, binary: str, *args: str) -> list[str]:
     return [*argv, *args]
 
 
-def _download(lock: GatewayLock, dest: Path, say: debs.Progress) -> tuple[dict[str, Path], list[str], str]:
+def _download(lock: GatewayLock, dest: Path, say: debs.Say) -> tuple[dict[str, Path], list[str], str]:
     """The .debs to unpack: the pinned ones when still served (checked against the lock), else the current
     versions of the same packages (checked by apt against the signed index). Returns (debs, versions, how)."""
     cache = _root() / ".debs"
@@ -225,7 +225,7 @@ def _download(lock: GatewayLock, dest: Path, say: debs.Progress) -> tuple[dict[s
     return have, pinned, "pinned"
 
 
-def install(*, force: bool = False, progress: debs.Progress | None = None) -> Path:
+def install(*, force: bool = False, progress: debs.Say | None = None) -> Path:
     """Install the gateway into its private prefix (a no-op when the marker matches the lock); the prefix."""
     say = progress or (lambda _m: None)
     lock = load_lock()

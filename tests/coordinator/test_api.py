@@ -18,7 +18,6 @@ from cryosleep.coordinator.protocol import (
     Command,
     Op,
     Result,
-    Unauthorized,
     targets_from_json,
     targets_to_json,
     view_from_json,
@@ -27,7 +26,7 @@ from cryosleep.coordinator.protocol import (
 from cryosleep.coordinator.sim import SimFaults
 from cryosleep.core.interceptor import CommSlot
 from cryosleep.cut.rules import CommTarget, RankView
-from cryosleep.errors import Busy
+from cryosleep.errors import Busy, Unauthorized
 from tests.coordinator.helpers import Env, wait_for
 
 

@@ -11,8 +11,7 @@ import pytest
 from cryosleep.agent import coordinated
 from cryosleep.agent.coordinated import RestoreRendezvous
 from cryosleep.coordinator import rendezvous
-from cryosleep.core.interceptor import InterceptorError
-from cryosleep.errors import NotEligible, UsageError
+from cryosleep.errors import InterceptorError, NotEligible, UsageError
 from tests.coordinator.helpers import Env
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import time
 
-from cryosleep.core.interceptor import BLOCK_SIZE, Cmd, ControlBlock, InterceptorError, Rebuild, State
+from cryosleep.core.interceptor import BLOCK_SIZE, Cmd, ControlBlock, Rebuild, State
 from cryosleep.cut.driver import Driver
 from cryosleep.cut.rules import CommTarget, Decision
+from cryosleep.errors import InterceptorError
 
 __all__ = ["BLOCK_SIZE", "CMD_QUIESCE", "REBUILD_ID", "REBUILD_SPLIT", "ST_HOLDING", "ST_QUIESCED", "Agent",
            "CommTarget", "Ctl", "CtlError"]

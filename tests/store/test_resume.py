@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cryosleep.store.backend import BackendError
+from cryosleep.errors import BackendError
 from cryosleep.store.cas import ChunkStore
 from cryosleep.store.chunking import ChunkSpec
 from cryosleep.store.s3 import S3Backend

@@ -28,9 +28,9 @@ import pytest
 from cryosleep import paths
 from cryosleep.capture import criu_install as ci
 from cryosleep.core import debs, toolprefix
-from cryosleep.errors import CriuUnavailable, CryosleepError, IprouteUnavailable
+from cryosleep.errors import CriuUnavailable, CryosleepError, IprouteUnavailable, NetError
 from cryosleep.net import tools as net_tools
-from cryosleep.net.host import Host, NetError
+from cryosleep.net.host import Host
 
 needs_apt = pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt-get to download packages")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="criu check needs root")

@@ -11,7 +11,8 @@ import pytest
 
 from cryosleep.capture import eligibility
 from cryosleep.core import interceptor as ic
-from cryosleep.core.interceptor import BLOCK_SIZE, Cmd, ControlBlock, InterceptorError, State, attach_published
+from cryosleep.core.interceptor import BLOCK_SIZE, Cmd, ControlBlock, State, attach_published
+from cryosleep.errors import InterceptorError
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "nccl" / "interceptor" / "ctl_block.h"
 

@@ -36,6 +36,7 @@ from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, Usag
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
+from cryosleep.timing import Progress
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -311,7 +312,7 @@ class Agent:
         self.save_state()
         self.tail = LogTail(self.job, self.spec.ranks, self.out)
 
-    def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
+    def restore(self, store: LocalStore, ref: str, *, progress: Progress | None = None,
                 timeout: float = 600.0, gpu_map: list[int] | None = None,
                 rendezvous: coordinated.RestoreRendezvous | None = None) -> capture_restore.Restored:
         """Bring the job back from a snapshot into a fresh sandbox. ``rendezvous``: one node of a multi-node

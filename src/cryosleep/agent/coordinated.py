@@ -50,9 +50,9 @@ from cryosleep.coordinator.protocol import (
     targets_from_json,
     view_to_json,
 )
-from cryosleep.core.interceptor import Cmd, InterceptorError
+from cryosleep.core.interceptor import Cmd
 from cryosleep.cut.driver import HOLD_GRACE_S, Driver
-from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotEligible, NotFound
+from cryosleep.errors import Busy, CaptureFailed, CryosleepError, InterceptorError, NotEligible, NotFound
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore

@@ -22,7 +22,7 @@ from pathlib import Path
 from cryosleep import paths
 from cryosleep.capture.criu_install import Criu
 from cryosleep.core import proctree
-from cryosleep.errors import CaptureFailed, RestoreFailed
+from cryosleep.errors import CaptureFailed, NetError, RestoreFailed
 from cryosleep.net import host as net_host
 
 RUN_ID_RE = re.compile(r"CRIU run id = ([0-9a-f-]+)")
@@ -148,7 +148,7 @@ def veth_externals(root_pid: int) -> list[str]:
     job network, docs/network.md): CRIU dumps the namespace, and records the pair's host end as external."""
     try:
         veths = net_host.Host().sandbox_veths(root_pid)
-    except net_host.NetError as e:
+    except NetError as e:
         raise CaptureFailed("the sandbox's network interfaces could not be read", f"{e.what}: {e.why}",
                             e.hint) from None
     lost = [inside for inside, end in veths if end is None]

@@ -57,7 +57,7 @@ from cryosleep import paths
 from cryosleep.core.debs import (
     MARKER_NAME,
     PrivateApt,
-    Progress,
+    Say,
     arch_for,
     cleanup_stale,
     debian_mirror,
@@ -402,7 +402,7 @@ def _cache_dir() -> Path:
     return paths.criu_root() / ".debs"
 
 
-def _fetch_debs(lock: Lock, say: Progress) -> dict[str, Path]:
+def _fetch_debs(lock: Lock, say: Say) -> dict[str, Path]:
     """The pinned .debs in the download cache, downloading those missing or not matching the lock.
 
     Fresh downloads are verified before they enter the cache, so the cache only ever holds pinned files.
@@ -434,7 +434,7 @@ def _fetch_debs(lock: Lock, say: Progress) -> dict[str, Path]:
     return have
 
 
-def _unpack_bundle(bundle: Path, dest: Path, lock: Lock, say: Progress) -> dict[str, Path]:
+def _unpack_bundle(bundle: Path, dest: Path, lock: Lock, say: Say) -> dict[str, Path]:
     """Copy the pinned .debs out of a bundle. Only plain files named like a pinned .deb are taken, by
     base name, so a crafted member path cannot write outside ``dest``."""
     wanted = {p.basename: p for p in lock.packages}
@@ -478,7 +478,7 @@ def _unpack_bundle(bundle: Path, dest: Path, lock: Lock, say: Progress) -> dict[
     return out
 
 
-def install(*, bundle: Path | None = None, force: bool = False, progress: Progress | None = None) -> Criu:
+def install(*, bundle: Path | None = None, force: bool = False, progress: Say | None = None) -> Criu:
     """Install the pinned private CRIU prefix and return its handle.
 
     From ``bundle`` (an offline tar of the .debs and the lock) when given, else by downloading from the
@@ -566,7 +566,7 @@ def install(*, bundle: Path | None = None, force: bool = False, progress: Progre
 # ------------------------------------------------------------------------------------------------ bundle
 
 
-def make_bundle(out: Path, *, progress: Progress | None = None) -> Path:
+def make_bundle(out: Path, *, progress: Say | None = None) -> Path:
     """Write an offline bundle (a tar of the pinned .debs and the lock) for machines with no registry.
 
     ``out`` is the tar's path, or an existing directory to put ``cryosleep-criu-<version>-<arch>.tar`` in.
@@ -612,7 +612,7 @@ def make_bundle(out: Path, *, progress: Progress | None = None) -> Path:
 
 
 def update_lock(
-    *, out: Path | None = None, suite: str | None = None, progress: Progress | None = None
+    *, out: Path | None = None, suite: str | None = None, progress: Say | None = None
 ) -> Path:
     """Re-pin the lock to what the archive serves now: resolve ``ROOT_PACKAGES`` and their Depends closure
     in ``suite`` (default: the current lock's, else unstable) and record each .deb's version, pool

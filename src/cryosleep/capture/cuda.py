@@ -23,11 +23,7 @@ from functools import cache
 from pathlib import Path
 
 from cryosleep.core import proctree
-from cryosleep.errors import CryosleepError
-
-
-class CudaError(CryosleepError):
-    kind = "cuda_error"
+from cryosleep.errors import CryosleepError, CudaError
 
 
 class ProcState(enum.IntEnum):
@@ -71,7 +67,7 @@ class Gpu:
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-class Driver:
+class CudaDriver:
     """libcuda loaded once; cuInit(0) called once (needed before the checkpoint API works on other PIDs)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -155,7 +151,7 @@ def _hint(call: str, code: int) -> str:
 
 
 @cache
-def driver() -> Driver:
+def driver() -> CudaDriver:
     """The CUDA driver, or CudaError when this machine has none (CI)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -165,7 +161,7 @@ def driver() -> Driver:
     if not hasattr(lib, "cuCheckpointProcessLock"):
         raise CudaError("this CUDA driver has no checkpoint API", "cuCheckpointProcessLock is missing",
                         "install an NVIDIA driver >= 550 (570+ for restore onto other GPUs)")
-    return Driver(lib)
+    return CudaDriver(lib)
 
 
 def available() -> bool:

@@ -40,7 +40,7 @@ __all__ = [
     "LockedPackage",
     "Mirror",
     "PrivateApt",
-    "Progress",
+    "Say",
     "arch_for",
     "cleanup_stale",
     "debian_mirror",
@@ -58,7 +58,7 @@ __all__ = [
     "swap_into_place",
 ]
 
-Progress = Callable[[str], None]
+Say = Callable[[str], None]  # where an install tells what it does, one line at a time (progress=)
 
 MARKER_NAME = ".cryosleep-installed.json"  # written last into a finished prefix: what it holds, from which lock
 # Where a .deb may put a program, searched in this order.

@@ -32,18 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryosleep.core import proctree
-from cryosleep.errors import CryosleepError, IprouteUnavailable
+from cryosleep.errors import IprouteUnavailable, NetError
 from cryosleep.net.plan import VXLAN_PORT, JobNet
 from cryosleep.net.tools import iproute_argv, nft_argv
 
-__all__ = ["Host", "NetError"]
+__all__ = ["Host"]
 
 HINT = "run as root on Linux with the veth, bridge and vxlan kernel modules; `cryosleep check`"
 ZERO_MAC = "00:00:00:00:00:00"
-
-
-class NetError(CryosleepError):
-    kind = "net"
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,9 @@ Backends, picked by :func:`cryosleep.store.urls.open_backend` from a store URL:
   usual AWS variables and config files; ``$CRYOSLEEP_S3_ENDPOINT`` or ``AWS_ENDPOINT_URL`` for other
   S3-compatible servers).
 
-Errors::
-
-    CryosleepError
-     +-- NotFound
-     |    +-- ObjectNotFound     the named object does not exist
-     +-- BackendError            the backend failed (I/O, network, server); ``retryable`` says if it may pass
-     +-- StoreCorrupt
-          +-- IntegrityError     bytes read or written do not match their checksum
+Errors (in the one tree of :mod:`cryosleep.errors`): ``ObjectNotFound`` (the named object does not exist),
+``BackendError`` (the backend failed: I/O, network, server; ``retryable`` says if it may pass) and
+``IntegrityError`` (bytes read or written do not match their checksum).
 """
 
 from __future__ import annotations
@@ -35,35 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from cryosleep.errors import CryosleepError, NotFound, StoreCorrupt, UsageError
+from cryosleep.errors import (
+    BackendError,
+    IntegrityError,
+    ObjectNotFound,
+    UsageError,
+)
 
 __all__ = [
     "Backend",
-    "BackendError",
-    "IntegrityError",
     "LocalBackend",
     "ObjectInfo",
-    "ObjectNotFound",
     "check_name",
 ]
 
 _COPY = 8 << 20
-
-
-class ObjectNotFound(NotFound):
-    kind = "object_not_found"
-
-
-class BackendError(CryosleepError):
-    kind = "backend_error"
-
-    def __init__(self, what: str, why: str = "", hint: str = "", *, retryable: bool = False) -> None:
-        super().__init__(what, why, hint)
-        self.retryable = retryable
-
-
-class IntegrityError(StoreCorrupt):
-    kind = "integrity_error"
 
 
 @dataclass(frozen=True)

@@ -284,7 +284,7 @@ class TriggerRunner:
 
     # -- the decision log ----------------------------------------------------------------------
 
-    def _decided(self, d: schedule.Decision) -> str:
+    def _decided(self, d: schedule.TriggerDecision) -> str:
         with self._lock:
             self._seq += 1
             rid = f"{os.getpid()}-{self._seq}"
@@ -296,7 +296,7 @@ class TriggerRunner:
         metrics.record_decision(job, d.trigger, d.action)
         return rid
 
-    def _outcome(self, rid: str, d: schedule.Decision, outcome: dict[str, Any]) -> None:
+    def _outcome(self, rid: str, d: schedule.TriggerDecision, outcome: dict[str, Any]) -> None:
         what = outcome["outcome"] + (f" {outcome['snapshot']}" if outcome.get("snapshot") else "")
         if outcome.get("error"):
             what += f" ({outcome['error'].get('what')})"
@@ -320,8 +320,9 @@ class TriggerRunner:
             action, reason = policy.decide(now, busy=self.agent.snapshot_busy())
             if action == "wait":
                 continue
-            d = schedule.Decision(trigger="periodic", mode="keep-running", action=schedule.SNAPSHOT if action == "take"
-                                  else "skip", reasons=[reason], at=now, timeout_s=schedule.DEFAULT_TIMEOUT)
+            d = schedule.TriggerDecision(trigger="periodic", mode="keep-running",
+                                         action=schedule.SNAPSHOT if action == "take" else "skip", reasons=[reason],
+                                         at=now, timeout_s=schedule.DEFAULT_TIMEOUT)
             rid = self._decided(d)
             if action == "skip":
                 policy.skipped(now)
