@@ -30,7 +30,7 @@ criu: venv
 	$(BIN)/cryosleep criu install
 
 s3server: venv
-	$(BIN)/python -m cryosleep.store.s3serve install
+	$(BIN)/python tools/s3serve.py install
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=25
@@ -39,7 +39,7 @@ demo: setup
 	$(BIN)/cryosleep demo
 
 lint: venv
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests tools bench
 	$(BIN)/mypy
 
 clean:

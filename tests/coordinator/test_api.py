@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from cryosleep.agent.interceptor import CommSlot
 from cryosleep.cli.main import main
 from cryosleep.coordinator.catalog import SCHEMA_VERSION, Catalog
 from cryosleep.coordinator.client import Http
@@ -19,15 +18,15 @@ from cryosleep.coordinator.protocol import (
     Command,
     Op,
     Result,
-    Unauthorized,
     targets_from_json,
     targets_to_json,
     view_from_json,
     view_to_json,
 )
 from cryosleep.coordinator.sim import SimFaults
+from cryosleep.core.interceptor import CommSlot
 from cryosleep.cut.rules import CommTarget, RankView
-from cryosleep.errors import Busy
+from cryosleep.errors import Busy, Unauthorized
 from tests.coordinator.helpers import Env, wait_for
 
 

@@ -10,9 +10,8 @@ import pytest
 
 from cryosleep.agent import coordinated
 from cryosleep.agent.coordinated import RestoreRendezvous
-from cryosleep.agent.interceptor import InterceptorError
 from cryosleep.coordinator import rendezvous
-from cryosleep.errors import NotEligible, UsageError
+from cryosleep.errors import InterceptorError, NotEligible, UsageError
 from tests.coordinator.helpers import Env
 
 

@@ -12,11 +12,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent import proctree
-from cryosleep.agent.job import JobDir
+from cryosleep.core import proctree
+from cryosleep.core.job import JobDir
 from cryosleep.net import sandbox as net_sandbox
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
@@ -79,13 +80,15 @@ def reference(script: Path, args: list[str], nproc: int = 2) -> dict[int, list[s
 
 
 class Harness:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: what every CLI call runs under (``nsenter`` into a simulated host's namespace)."""
         self.home = home
         self.env = dict(os.environ)
+        self.prefix = list(prefix)
 
     def cli(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "cryosleep.cli.main", *args]
+        cmd = [*self.prefix, sys.executable, "-m", "cryosleep.cli.main", *args]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env or self.env, timeout=timeout,
                              check=False)
         if check and res.returncode != 0:

@@ -23,7 +23,7 @@ import pytest
 
 from cryosleep import paths
 from cryosleep.agent.control import ControlClient
-from cryosleep.agent.interceptor import ControlBlock
+from cryosleep.core.interceptor import ControlBlock
 from tests.conftest import require_criu
 from tests.jobs.harness import Harness, reference, workload
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from cryosleep.agent.agent import worker_env
-from cryosleep.agent.job import JobSpec
 from cryosleep.cli.jobs import build_spec
 from cryosleep.cli.main import parse
+from cryosleep.core.job import JobSpec
 from cryosleep.errors import UsageError
 from cryosleep.net import job_net
 

@@ -13,7 +13,7 @@ import pytest
 from cryosleep.errors import CryosleepError
 from cryosleep.store.backend import Backend, LocalBackend
 from cryosleep.store.s3 import S3Backend
-from cryosleep.store.s3serve import S3Server, locate
+from tools.s3serve import S3Server, locate
 
 # Resolved before any test moves CRYOSLEEP_HOME: the gateway that `make setup` installed.
 try:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from cryosleep.cli.main import main
-from cryosleep.store.backend import open_backend
 from cryosleep.store.cas import ChunkStore, chunk_name
 from cryosleep.store.chunking import ChunkSpec
 from cryosleep.store.crypto import JobKey
-from cryosleep.store.s3serve import S3Server
+from cryosleep.store.urls import open_backend
+from tools.s3serve import S3Server
 
 from .conftest import new_bucket
 from .helpers import image_bytes, write

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from cryosleep.agent import failures
-from cryosleep.agent.job import JobDir, JobSpec
+from cryosleep.core.job import JobDir, JobSpec
 
 
 def job_with(tmp_path: Path, exits: dict[int, str], errors: dict[int, dict[str, object]]) -> tuple[JobDir, JobSpec]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cryosleep import paths
-from cryosleep.agent import proctree
 from cryosleep.agent.agent import become_subreaper
+from cryosleep.core import proctree
 from tests.conftest import wait_exit
 
 INIT = paths.native_dir() / "cryosleep-init"

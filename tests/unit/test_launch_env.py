@@ -13,7 +13,7 @@ import pytest
 
 from cryosleep import paths
 from cryosleep.agent.agent import become_subreaper, interceptor_lib, worker_env
-from cryosleep.agent.job import JobDir, JobSpec
+from cryosleep.core.job import JobDir, JobSpec
 
 INIT = paths.native_dir() / "cryosleep-init"
 

@@ -21,21 +21,22 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from cryosleep import metrics, paths
-from cryosleep.agent import coordinated, failures, proctree, resume
-from cryosleep.agent.interceptor import Cmd, State
-from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
+from cryosleep.agent import coordinated, failures, resume
 from cryosleep.agent.watchdog import Watchdog
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, underlay_towards
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import Cmd, State
+from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
-from cryosleep.triggers.runner import TriggerRunner
+from cryosleep.timing import Progress
 
 PR_SET_CHILD_SUBREAPER = 36
 # the signals the sandbox's init passes on to the workers (native/init/cryosleep-init.c); others become SIGTERM
@@ -93,7 +94,8 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "TORCHELASTIC_SIGNALS_TO_HANDLE": spec.signals_to_handle,
-        # PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump (FACTS.md).
+        # PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump; without libuv it holds none
+        # (UV_USE_IO_URING=0 does not help: docs/facts.md).
         "USE_LIBUV": "0",
         "CRYOSLEEP_JOB": spec.name,
     })
@@ -107,7 +109,7 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         lib = str(interceptor_lib())
         env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
         env["CRYOSLEEP_NCCL_CTL"] = str(ctl_dir / "rank-{rank}.ctl")
-        # NVLink multicast (NVLS) state cannot be checkpointed (FACTS.md)
+        # NVLink multicast (NVLS) state cannot be checkpointed (docs/facts.md)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         if spec.fast_path and devmem_dir is not None:
             env.setdefault("CRYOSLEEP_DEVMEM", "1")
@@ -185,6 +187,20 @@ def take_job_lock(job: JobDir, log: Any) -> int:
     return job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say)
 
 
+class Triggers(Protocol):
+    """What the agent runs beside its job to turn signals, notices and schedules into snapshots
+    (``cryosleep.triggers.runner.TriggerRunner``; the CLI attaches one as ``Agent.triggers``)."""
+
+    def start(self) -> None:
+        """Called by :meth:`Agent.serve` once the job runs."""
+
+    def on_signal(self, signum: int) -> bool:
+        """From the agent's signal handler (main thread: must not block); True when handled there."""
+
+    def close(self) -> None:
+        """Called as the agent ends."""
+
+
 class Agent:
     net_peers: tuple[str, ...] = ()  # the job network's overlay peers (other hosts' addresses), if it spans hosts
 
@@ -205,7 +221,7 @@ class Agent:
         self._handlers: list[threading.Thread] = []
         self.restore_phases: dict[str, float] = {}
         self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
-        self.triggers: TriggerRunner | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
+        self.triggers: Triggers | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
         self.devmem_dirs: set[Path] = set()  # a restored job's fast-path staging directories
         # (multi-node jobs) the coordinator's URL and token: it runs every snapshot of the job, on all nodes
         self.coordinator: tuple[str, str] | None = None
@@ -250,6 +266,13 @@ class Agent:
         return proctree.alive(self.state.init_pid)
 
     # -- starting ---------------------------------------------------------------------------------
+
+    def snapshot_busy(self) -> bool:
+        return self.snap_lock.locked()
+
+    def track(self, thread: threading.Thread) -> None:
+        """A thread to wait for before the agent exits (a request's handler, a stop snapshot)."""
+        self._handlers.append(thread)
 
     def save_state(self) -> None:
         with self.state_lock:
@@ -315,7 +338,7 @@ class Agent:
         self.record_in_store("running", None)
         self.tail = LogTail(self.job, self.console_ranks(), self.out)
 
-    def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
+    def restore(self, store: LocalStore, ref: str, *, progress: Progress | None = None,
                 timeout: float = 600.0, gpu_map: list[int] | None = None,
                 rendezvous: coordinated.RestoreRendezvous | None = None) -> capture_restore.Restored:
         """Bring the job back from a snapshot into a fresh sandbox. ``rendezvous``: one node of a multi-node
@@ -353,6 +376,10 @@ class Agent:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.triggers is not None and self.triggers.on_signal(signum):  # a stop snapshot instead
             return
+        self.forward_signal(signum)
+
+    def forward_signal(self, signum: int) -> None:
+        """The usual path of a signal to the agent: SIGTERM to the workers, SIGKILL at the second one."""
         self._signals += 1
         # as torchrun: the signal itself to the workers (the ones the sandbox's init passes on), then SIGKILL
         sig = (signum if signum in INIT_FORWARDS else signal.SIGTERM) if self._signals == 1 else signal.SIGKILL

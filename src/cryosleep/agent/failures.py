@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent.job import JobDir, JobSpec
+from cryosleep.core.job import JobDir, JobSpec
 
 NOT_AVAILABLE = "<N/A>"
 # workers ended by the sandbox's init after another failed: not failures of their own

@@ -192,13 +192,14 @@ def read_local_record(store_root: Path, job: str) -> StoreRecord | None:
 
 
 def write_remote_record(url: str, rec: StoreRecord) -> None:
-    from cryosleep.store.backend import open_backend  # the S3 client, only when a remote store is used
+    from cryosleep.store.urls import open_backend  # the S3 client, only when a remote store is used
 
     open_backend(url).put(record_name(rec.job), json.dumps(rec.to_json(), sort_keys=True).encode())
 
 
 def read_remote_record(url: str, job: str) -> StoreRecord | None:
-    from cryosleep.store.backend import ObjectNotFound, open_backend
+    from cryosleep.errors import ObjectNotFound
+    from cryosleep.store.urls import open_backend
 
     try:
         data = open_backend(url).get(record_name(job))

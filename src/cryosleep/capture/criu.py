@@ -1,7 +1,7 @@
 """Calling CRIU: dump a sandbox's process tree, restore it, and undo what a failed dump leaves behind.
 
 One sandbox (a PID namespace whose init is ``cryosleep-init``) is one CRIU tree. Dumps always use
-``--tcp-established`` with the nftables network lock (FACTS.md: the iptables lock does not work here) and
+``--tcp-established`` with the nftables network lock (docs/facts.md: the iptables lock does not work here) and
 either ``--leave-running`` (keep-running snapshots) or ``--leave-stopped`` (stop snapshots: the job is held
 still until its image is verified, then killed, or resumed if anything failed).
 """
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryosleep import paths
-from cryosleep.agent import proctree
 from cryosleep.capture.criu_install import Criu
-from cryosleep.errors import CaptureFailed, RestoreFailed
+from cryosleep.core import proctree
+from cryosleep.errors import CaptureFailed, NetError, RestoreFailed
 from cryosleep.net import host as net_host
 
 RUN_ID_RE = re.compile(r"CRIU run id = ([0-9a-f-]+)")
-# CRIU prints this on every run here; it is harmless (FACTS.md).
+# CRIU prints this on every run here; it is harmless (docs/facts.md).
 NOISE = ("Can't setup RLIMIT_NOFILE",)
 GHOST_LIMIT = 64 * 1024 * 1024
 # After its action script is ended, CRIU rolls back by itself within this time, or is killed.
@@ -148,7 +148,7 @@ def veth_externals(root_pid: int) -> list[str]:
     job network, docs/network.md): CRIU dumps the namespace, and records the pair's host end as external."""
     try:
         veths = net_host.Host().sandbox_veths(root_pid)
-    except net_host.NetError as e:
+    except NetError as e:
         raise CaptureFailed("the sandbox's network interfaces could not be read", f"{e.what}: {e.why}",
                             e.hint) from None
     lost = [inside for inside, end in veths if end is None]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.errors import RestoreFailed
 from cryosleep.store.manifest import ExpectedFile, StagedFile
 

@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent import proctree
-from cryosleep.agent.job import JobSpec
 from cryosleep.capture.criu import action_script
+from cryosleep.core import proctree
+from cryosleep.core.job import JobSpec
 from cryosleep.errors import UsageError
 from cryosleep.timing import Phases
 

@@ -30,19 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import Cmd, ControlBlock, InterceptorError, State
-from cryosleep.agent.job import JobSpec
 from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_install, cuda, files, outbound
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import Cmd, ControlBlock, State
+from cryosleep.core.job import JobSpec
 from cryosleep.cut.driver import Driver
-from cryosleep.errors import NotEligible, RestoreFailed, StoreCorrupt
+from cryosleep.errors import InterceptorError, NotEligible, RestoreFailed, StoreCorrupt
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store.local import LocalStore
 from cryosleep.store.manifest import FileEntry, Manifest
-from cryosleep.timing import Phases
-
-Progress = Callable[[str, str, float | None], None]
+from cryosleep.timing import Phases, Progress
 
 
 @dataclass

@@ -51,19 +51,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryosleep import __version__, eligibility, paths
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import ControlBlock, InterceptorError, attach_published
-from cryosleep.agent.job import JobSpec
+from cryosleep import __version__, paths
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files, outbound
+from cryosleep.capture import criu_install, cuda, eligibility, files, outbound
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import ControlBlock, attach_published
+from cryosleep.core.job import JobSpec
 from cryosleep.cut.driver import Driver
-from cryosleep.errors import CaptureFailed, CryosleepError, NotEligible
+from cryosleep.errors import CaptureFailed, CryosleepError, InterceptorError, NotEligible
 from cryosleep.store.local import LocalStore, Staging, hash_tree
 from cryosleep.store.manifest import Manifest, NodeImage
-from cryosleep.timing import Phases
-
-Progress = Callable[[str, str, float | None], None]
+from cryosleep.timing import Phases, Progress
 
 # The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
 PAUSE = ["drain", "quiesce", "offload", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from cryosleep import eligibility
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import attach_published
-from cryosleep.agent.job import JobDir
+from cryosleep.capture import eligibility
 from cryosleep.cli.output import emit_json, table
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import attach_published
+from cryosleep.core.job import JobDir
 
 
 def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -15,7 +15,6 @@ from cryosleep import paths
 from cryosleep.agent import failures, resume
 from cryosleep.agent.agent import Agent, become_subreaper, take_job_lock
 from cryosleep.agent.coordinated import RestoreRendezvous, problems_of
-from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.capture import outbound
 from cryosleep.cli import launch_args, resuming
 from cryosleep.cli.host_cmd import place_snapshot
@@ -24,6 +23,7 @@ from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remot
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
+from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
 from cryosleep.store.local import LocalStore

@@ -10,7 +10,7 @@ from typing import Any
 
 from cryosleep import paths
 from cryosleep.agent import resume
-from cryosleep.agent.job import JobDir, JobSpec
+from cryosleep.core.job import JobDir, JobSpec
 from cryosleep.errors import NotEligible
 from cryosleep.store import persist
 from cryosleep.store.local import LocalStore

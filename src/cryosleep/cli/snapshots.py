@@ -9,9 +9,9 @@ from pathlib import Path
 
 from cryosleep import paths
 from cryosleep.agent.control import ControlClient
-from cryosleep.agent.job import JobDir
 from cryosleep.cli import transfer
 from cryosleep.cli.output import PhasePrinter, emit_json, human_bytes, phase_table, require_root, table, when
+from cryosleep.core.job import JobDir
 from cryosleep.errors import StoreCorrupt, UsageError
 from cryosleep.store.local import LocalStore
 from cryosleep.store.persist import is_remote, normalize_url, remove_record

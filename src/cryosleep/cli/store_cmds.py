@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 from cryosleep import paths
 from cryosleep.cli.output import age_arg, emit_json, human_bytes, table
 from cryosleep.errors import StoreCorrupt
-from cryosleep.store.backend import open_backend
 from cryosleep.store.gc import GRACE_S, collect
 from cryosleep.store.persist import is_remote
-from cryosleep.store.retention import Decision, Policy, SnapshotInfo, decide
+from cryosleep.store.retention import Policy, RetentionDecision, SnapshotInfo, decide
+from cryosleep.store.urls import open_backend
 
 if TYPE_CHECKING:
     from cryosleep.store.cas import ChunkStore, Snapshot
@@ -73,7 +73,7 @@ def _info(s: Snapshot, latest: dict[str, str]) -> SnapshotInfo:
 def cmd_gc(a: argparse.Namespace) -> int:
     store = _chunk_store(a.store)
     policy = Policy(keep_last=a.keep_last, keep_every=a.keep_every, max_age=a.max_age)
-    decisions: list[Decision] = []
+    decisions: list[RetentionDecision] = []
     if not policy.empty:
         snaps = store.snapshots()
         latest = {s.job: s.id for s in snaps}  # sorted oldest first: the last one per job wins

@@ -17,9 +17,9 @@ from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
 from cryosleep.coordinator.placement import Placements
-from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, ProtocolError, Result
+from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
 from cryosleep.coordinator.rendezvous import Board
-from cryosleep.errors import Busy, NotEligible, NotFound, UsageError
+from cryosleep.errors import Busy, NotEligible, NotFound, ProtocolError, UsageError
 
 
 @dataclass

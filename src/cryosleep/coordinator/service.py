@@ -38,8 +38,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
-from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Unauthorized
-from cryosleep.errors import CryosleepError, NotFound, UsageError
+from cryosleep.coordinator.protocol import PROTOCOL_VERSION
+from cryosleep.errors import CryosleepError, NotFound, Unauthorized, UsageError
 
 __all__ = ["Coordinator", "Server", "ServiceConfig", "parse_listen", "read_token", "shutdown", "start"]
 

@@ -36,23 +36,31 @@ from typing import Any
 
 import zstandard
 
-from cryosleep.errors import CryosleepError, NotFound, StoreCorrupt, UsageError
+from cryosleep.errors import (
+    BackendError,
+    ChunkCorrupt,
+    CryosleepError,
+    IntegrityError,
+    NotFound,
+    ObjectNotFound,
+    StoreCorrupt,
+    UsageError,
+    WrongKey,
+)
 from cryosleep.store import gc as gcmod
-from cryosleep.store.backend import Backend, BackendError, IntegrityError, ObjectNotFound
+from cryosleep.store.backend import Backend
 from cryosleep.store.chunking import DEFAULT, ChunkSpec, iter_chunks
 from cryosleep.store.crypto import ALGORITHM, DecryptError, JobKey
 from cryosleep.store.manifest import FileEntry, Manifest
 
 __all__ = [
     "CAS_FORMAT",
-    "ChunkCorrupt",
     "ChunkRef",
     "ChunkStore",
     "ChunkedFile",
     "Problem",
     "Snapshot",
     "UploadResult",
-    "WrongKey",
     "chunk_name",
     "decode_chunk",
     "encode_chunk",
@@ -63,18 +71,8 @@ MAGIC = b"CSC1"
 F_ZSTD = 1
 F_SEALED = 2
 ZSTD_LEVEL = 3
-CHUNKS = "chunks/"
+CHUNKS = gcmod.CHUNKS
 SNAPSHOTS = "snapshots/"
-
-
-class ChunkCorrupt(StoreCorrupt):
-    """A chunk's bytes do not give back its address (altered, truncated, or not a chunk)."""
-
-    kind = "chunk_corrupt"
-
-
-class WrongKey(StoreCorrupt):
-    kind = "wrong_key"
 
 
 def chunk_name(address: str) -> str:

@@ -43,8 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cryosleep.errors import CaptureFailed, CryosleepError, NotFound, UsageError
-from cryosleep.store.backend import BackendError
+from cryosleep.errors import BackendError, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.store.local import LocalStore, Staging
 from cryosleep.store.manifest import Manifest
 from cryosleep.store.retention import Policy, SnapshotInfo, decide
@@ -74,7 +73,7 @@ ACTIVE = ("queued", "uploading", "verifying", "retrying")
 # embedded in the chunk store is not encrypted; the images are).
 _SECRET = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL)", re.I)
 
-Progress = Callable[[dict[str, Any]], None]
+EventSink = Callable[[dict[str, Any]], None]  # where the transfer events go (progress=, the CLI's bars)
 
 
 def normalize_url(url: str | Path) -> str:
@@ -120,8 +119,8 @@ class RemoteConfig:
 
 def open_chunk_store(url: str | Path) -> ChunkStore:
     # Imported here: the chunk store needs numpy, zstandard and cryptography; the capture path does not.
-    from cryosleep.store.backend import open_backend
     from cryosleep.store.cas import ChunkStore
+    from cryosleep.store.urls import open_backend
 
     return ChunkStore(open_backend(normalize_url(url)))
 
@@ -393,7 +392,7 @@ class Persister:
     # -- a stop snapshot's persist phase -------------------------------------------------------------
 
     def persist_now(self, store: LocalStore, manifest: Manifest, deadline: float,
-                    progress: Progress | None = None) -> Record:
+                    progress: EventSink | None = None) -> Record:
         """Upload and verify remotely, in this thread, before ``deadline`` (monotonic); CaptureFailed if not."""
         rec = self._record(manifest)
         rec.event("queued")
@@ -469,7 +468,7 @@ class Persister:
         return Record(snapshot=manifest.id, job=manifest.job_name, remote=self.url, mode=manifest.mode,
                       bytes_total=manifest.bytes, encrypted=self.key is not None, agent_pid=os.getpid())
 
-    def _persist(self, item: _Item, deadline: float | None, progress: Progress | None) -> None:
+    def _persist(self, item: _Item, deadline: float | None, progress: EventSink | None) -> None:
         """Upload the snapshot's files, then re-read every chunk from the store; the record follows along."""
         store, manifest, rec = item.store, item.manifest, item.record
         base = store.path_of(manifest.id)
@@ -584,11 +583,10 @@ class Persister:
 
 
 def fetch(url: str | Path, ref: str, store: LocalStore, *, key_file: Path | None = None,
-          progress: Progress | None = None) -> tuple[Manifest, Record]:
+          progress: EventSink | None = None) -> tuple[Manifest, Record]:
     """Bring snapshot ``ref`` from the chunk store at ``url`` into the local directory store, every chunk
     checked against its address and every file against its SHA-256. A snapshot already there is reused."""
-    from cryosleep.errors import StoreCorrupt
-    from cryosleep.store.cas import WrongKey
+    from cryosleep.errors import StoreCorrupt, WrongKey
     from cryosleep.store.crypto import load_key
 
     url = normalize_url(url)
@@ -651,7 +649,7 @@ def for_job(job: str, persist: dict[str, Any] | None, log: Callable[[str], None]
 
 
 def stop_hook(persister: Persister | None, store: LocalStore,
-              send: Progress) -> Callable[[Manifest, float], None] | None:
+              send: EventSink) -> Callable[[Manifest, float], None] | None:
     """The ``persist`` phase of a stop snapshot (:class:`cryosleep.capture.snapshot.Target`)."""
     if persister is None:
         return None

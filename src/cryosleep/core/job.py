@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.errors import CryosleepError, NotFound, UsageError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
