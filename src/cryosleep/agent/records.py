@@ -15,7 +15,9 @@ Safe against a job of the same name starting at that moment: the job's lock is t
 before anything is deleted, so an agent starting meanwhile gets a fresh directory (``JobDir.take_lock`` only
 keeps the lock of the file at the job's path). Nothing is followed out of the jobs directory: a job path that
 is a symbolic link is refused, the lock file is opened without following one, and the tree is deleted by
-shutil.rmtree's descriptor-based walk, which removes links without following them.
+shutil.rmtree's descriptor-based walk, which removes links without following them. One gap: a detached `run` or
+`restore` opens its agent.log before it takes the lock, so one started in the very moment of the removal of its
+name's record runs unharmed in a fresh directory but logs into the removed one's agent.log.
 """
 
 from __future__ import annotations
