@@ -203,6 +203,12 @@ def _size(path: Path) -> int:
     return total
 
 
+def _gone_is_fine(func: object, path: str, exc: tuple[type[BaseException], BaseException, object]) -> None:
+    """rmtree's error handler: what is already gone (a concurrent prune took it) is no failure."""
+    if not isinstance(exc[1], FileNotFoundError):
+        raise exc[1]
+
+
 def _delete(c: _Claim) -> Removed:
     """Move the directory off the job's path (a job starting now gets a fresh one), then delete it; its lock is
     let go last. The fast path's staging files of a lost job (on /dev/shm, named after its directory) go too."""
@@ -213,7 +219,7 @@ def _delete(c: _Claim) -> Removed:
         trash = job.path.with_name(f"{TRASH_PREFIX}{job.name}-{secrets.token_hex(4)}")
         os.rename(job.path, trash)
         try:
-            shutil.rmtree(trash)
+            shutil.rmtree(trash, onerror=_gone_is_fine)
         except OSError as e:
             raise CryosleepError(f"the record of job {job.name!r} was only partly removed", str(e),
                                  f"remove what is left by hand ({trash}); `cryosleep jobs prune` also does",
