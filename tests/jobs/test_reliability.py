@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from cryosleep.cut.driver import HOLD_GRACE_S
 from tests.conftest import require_criu
 from tests.jobs.coordinated import Coordinator, alive, wait_for
 from tests.jobs.harness import Harness, free_port, reference, workload
@@ -261,6 +262,7 @@ def test_a_snapshot_its_coordinator_never_finishes_is_abandoned_after_its_deadli
     job.start()
     try:
         job.stall("hold")
+        asked = time.monotonic()
         sid = coord.snapshot(JOB, wait=False, timeout_s=3)["id"]
         early = stalled_or_ended(coord, job, "hold", sid, 3)
         assert early is None, ended_early(early, "hold")
@@ -269,7 +271,10 @@ def test_a_snapshot_its_coordinator_never_finishes_is_abandoned_after_its_deadli
         coord.start()
         wait_for(lambda: coord.job_state(JOB) == "running", 30, "the agents registered with the new coordinator")
         busy = coord.snapshot(JOB)
-        assert busy["state"] == "failed" and sid in busy["error"]["why"], busy.get("error")
+        # refused while the old snapshot may still hold the ranks; on a busy machine the new coordinator can take
+        # longer to start than its deadline and the HOLD grace, and then the nodes roll it back at once
+        if busy["state"] != "verified" or time.monotonic() - asked < 3 + HOLD_GRACE_S:
+            assert busy["state"] == "failed" and sid in busy["error"]["why"], busy.get("error")
         wait_for(lambda: coord.snapshot(JOB)["state"] == "verified", 30, "a snapshot once the old one is stale")
         assert "abandoned" in h.job(NODES[0]).agent_log.read_text()
         job.assert_identical()
