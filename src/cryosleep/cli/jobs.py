@@ -1,4 +1,4 @@
-"""`cryosleep run`, `restore` and `jobs`: starting, bringing back and listing jobs on this node."""
+"""`cryosleep run` and `restore`: starting and bringing back jobs on this node."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from cryosleep.agent.coordinated import RestoreRendezvous, problems_of
 from cryosleep.capture import outbound
 from cryosleep.cli import launch_args, resuming
 from cryosleep.cli.host_cmd import place_snapshot
-from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
+from cryosleep.cli.output import PhasePrinter, emit_json, require_root
 from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config, retention_of
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
-from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
+from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
 from cryosleep.store.local import LocalStore
@@ -108,10 +108,6 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r.add_argument("--detach", action="store_true")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_restore)
-
-    j = sub.add_parser("jobs", help="list the jobs on this node")
-    j.add_argument("--json", action="store_true")
-    j.set_defaults(func=cmd_jobs)
 
 
 def add_coordinator_args(p: argparse.ArgumentParser, what: str) -> None:
@@ -409,14 +405,3 @@ def cmd_restore(a: argparse.Namespace) -> int:
     agent = start(sys.stderr if a.json else sys.stdout)
     return _finish(agent, agent.serve(), a.json)
 
-
-def cmd_jobs(a: argparse.Namespace) -> int:
-    jobs = list_jobs()
-    if a.json:
-        emit_json([{"job": s.name, **st.to_json(), "ranks": s.ranks, "dir": str(JobDir(s.name).path)}
-                   for s, st in jobs])
-        return 0
-    rows = [[s.name, st.state, len(s.ranks), st.init_pid or "-", when(st.started_at),
-             st.last_snapshot or "-", st.detail] for s, st in jobs]
-    print(table(["job", "state", "ranks", "init", "started", "last snapshot", "detail"], rows))
-    return 0

@@ -14,6 +14,7 @@ from cryosleep.cli.criu_cmd import add_criu
 from cryosleep.cli.demo import add_demo
 from cryosleep.cli.host_cmd import add_host
 from cryosleep.cli.jobs import add_run
+from cryosleep.cli.jobs_cmd import add_jobs
 from cryosleep.cli.net_cmd import add_net
 from cryosleep.cli.output import emit_error
 from cryosleep.cli.snapshots import add_snapshots
@@ -39,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"cryosleep {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run(sub)
+    add_jobs(sub)
     add_net(sub)
     add_snapshots(sub)
     add_store_cmds(sub)  # after add_snapshots: it extends `verify` with --deep
