@@ -51,6 +51,10 @@ INTERCEPTOR_LIB = "libcryosleep_nccl.so"
 # off unless this is set (pinning stalls the job's CUDA calls, and on an H200 a 2-rank 24 GiB job hung with it
 # at 5 s: docs/interceptor.md, "The fast path")
 PREPARE_ENV = "CRYOSLEEP_PREPARE_EVERY_S"
+# Set for the workers when the agent owns SIGTERM (--grace): cryosleep-init forwards, and the workers obey, only a
+# SIGTERM the agent sent (marked), not a scheduler's SIGTERM to every process of the job (Slurm's scancel, requeue,
+# time limit, preemption): native/nccl/interceptor/shield.c, docs/triggers.md
+TERM_SHIELD_ENV = "CRYOSLEEP_TERM_SHIELD"
 # How long a run or restore waits for an agent of the same job that is still ending (after a stop snapshot: its
 # job's processes exit, freeing device and pinned memory, and it removes the staging files; seconds at 24 GiB).
 ENDING_WAIT_S = 120.0
@@ -260,6 +264,8 @@ class Agent:
             shutil.rmtree(devmem, ignore_errors=True)
             devmem.mkdir(mode=0o700)
         env = worker_env(self.spec, self.job.ctl, devmem)
+        if self.triggers is not None and self.triggers.config.grace is not None:
+            env[TERM_SHIELD_ENV] = "1"  # SIGTERM is the agent's: the workers live until its stop snapshot has them
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
         self.save_state()
@@ -324,9 +330,11 @@ class Agent:
         if self.triggers is not None and self.triggers.on_signal(signum):  # a stop snapshot instead
             return
         self._signals += 1
-        sig = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
-        try:
-            os.kill(self.state.init_pid, sig)
+        try:  # SIGTERM marked: the init forwards it, and the workers' SIGTERM shield (if any) lets it through
+            if self._signals == 1:
+                proctree.send_marked(self.state.init_pid, signal.SIGTERM)
+            else:
+                os.kill(self.state.init_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
