@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = workload("ddp_basic")
 SRC = Path(cryosleep.__file__).resolve().parents[1]  # the tree under test
 BIN = Path(sys.executable).parent  # the virtualenv's cryosleep
-LONG = ["--steps", "400", "--step-sleep", "0.15"]  # a minute or more: Slurm's warning comes 10-40 s in
+LONG = ["--steps", "320", "--step-sleep", "0.15"]  # 48 s or more: Slurm's warning comes 10-40 s after the start
 SHORT = ["--steps", "60", "--step-sleep", "0.1"]
 # KillWait, and --grace under it (generous: a stop snapshot of this job took 23 s on a loaded 2-core machine)
 KILL_WAIT_S = 60
@@ -68,7 +68,7 @@ def batch_script(tmp_path: Path, name: str, args: list[str], grace: str = "50s")
 
 
 def submit(c: SlurmCluster, tmp_path: Path, script: Path, *flags: str) -> int:
-    return c.sbatch("--chdir", str(tmp_path), "-o", str(tmp_path / "%x-%j-%s.out"), "-J", script.stem,
+    return c.sbatch("--chdir", str(tmp_path), "-o", str(tmp_path / "%x-%j.out"), "--open-mode=append", "-J", script.stem,
                     "-c", c.cpus, *flags, str(script))
 
 
@@ -122,16 +122,17 @@ def test_time_limit_signal_stops_requeues_and_the_same_script_resumes(cluster: S
                                                                      tmp_path: Path) -> None:
     script = batch_script(tmp_path, "limit", LONG)
     jid = submit(cluster, tmp_path, script, "--time=2", "--signal=B:USR1@110", "--requeue")
+    job = cluster.wait_job(jid, lambda j: j["Restarts"] == "1", "to be requeued", timeout=300)
+    # The requeued run gets a fresh time limit, and its warning 10 s in; give it room to finish instead (Slurm holds
+    # a requeued job for cred_expire, 10 s here: time enough to change it while it waits).
+    cluster.scontrol("update", f"JobId={jid}", "TimeLimit=10")
+    assert job["Requeue"] == "1"
     d = assert_stopped(h, "limit", "sigusr1")
     assert d["detail"].startswith("SIGUSR1 received"), d
     s = wait_decision(h, "limit", "slurm")
     assert s["action"] == "requeue" and s["outcome"] == "requeued", s
     assert s["slurm"]["job_id"] == str(jid) and s["slurm"]["requeue"] is True, s
-    # The requeued run gets a fresh time limit and would be warned again 10 s in: give it room to finish.
-    job = cluster.wait_job(jid, lambda j: j["Restarts"] == "1", "to be requeued")
-    cluster.scontrol("update", f"JobId={jid}", "TimeLimit=10")
     assert_resumed(h, cluster, jid, "limit", d["snapshot"], LONG)
-    assert job["Requeue"] == "1"
 
 
 def test_preemption_stops_within_grace_and_resumes_after_the_preemptor(cluster: SlurmCluster, h: Harness,

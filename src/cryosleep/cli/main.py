@@ -18,6 +18,7 @@ from cryosleep.cli.snapshots import add_snapshots
 from cryosleep.cli.store_cmds import add_store_cmds
 from cryosleep.cli.triggers import add_decisions
 from cryosleep.errors import CryosleepError
+from cryosleep.triggers import early
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    early.hold()  # a SIGUSR1 before the agent listens (Slurm's warning to a batch script that just started)
     args = parser().parse_args(argv)
     try:
         code: int = args.func(args)

@@ -29,7 +29,7 @@ from cryosleep import metrics, paths
 from cryosleep.agent import proctree
 from cryosleep.errors import Busy, CryosleepError, NotFound
 from cryosleep.store.local import LocalStore
-from cryosleep.triggers import decisions, notices, schedule, slurm
+from cryosleep.triggers import decisions, early, notices, schedule, slurm
 
 if TYPE_CHECKING:
     from cryosleep.agent.agent import Agent
@@ -87,6 +87,9 @@ class TriggerRunner:
             self._thread("periodic", self._periodic)
         if self.config.notices:
             self._thread("notices", self._notices)
+        for signum in early.take():  # it came while the job was starting or being restored
+            self._log(f"{signal.Signals(signum).name} came while the job was starting; acting on it now")
+            self.on_signal(signum)
 
     def close(self) -> None:
         self._halt.set()

@@ -59,7 +59,7 @@ def job_id(env: dict[str, str] | None = None) -> str | None:
 
 def parse_show_job(text: str) -> dict[str, str]:
     """``scontrol show job -o ID``'s one line as a dict."""
-    return {m.group(1): m.group(2) for m in re.finditer(r"(?:^|\s)([A-Za-z:/]+)=(.*?)(?=\s[A-Za-z:/]+=|$)",
+    return {m.group(1): m.group(2) for m in re.finditer(r"(?:^|\s)([A-Za-z_:/]+)=(.*?)(?=\s[A-Za-z_:/]+=|$)",
                                                          text.strip())}
 
 
