@@ -68,8 +68,8 @@ def batch_script(tmp_path: Path, name: str, args: list[str], grace: str = "50s")
 
 
 def submit(c: SlurmCluster, tmp_path: Path, script: Path, *flags: str) -> int:
-    return c.sbatch("--chdir", str(tmp_path), "-o", str(tmp_path / "%x-%j.out"), "--open-mode=append", "-J", script.stem,
-                    "-c", c.cpus, *flags, str(script))
+    return c.sbatch("--chdir", str(tmp_path), "-o", str(tmp_path / "%x-%j.out"), "--open-mode=append",
+                    "-J", script.stem, "-c", c.cpus, *flags, str(script))
 
 
 def wait_step(h: Harness, name: str, step: int) -> None:
