@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cryosleep import metrics, paths
-from cryosleep.agent import coordinated, proctree
+from cryosleep.agent import coordinated, proctree, resume
 from cryosleep.agent.interceptor import Cmd, State
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.agent.watchdog import Watchdog
@@ -168,6 +168,14 @@ class LogTail:
                 self.out.flush()
 
 
+def take_job_lock(job: JobDir, log: Any) -> int:
+    """The job's lock, for an agent's life; an agent of the job that is only ending is waited for."""
+    def say() -> None:
+        log(f"job {job.name}'s previous agent is still ending: waiting up to {ENDING_WAIT_S:g} s")
+
+    return job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say)
+
+
 class Agent:
     net_peers: tuple[str, ...] = ()  # the job network's overlay peers (other hosts' addresses), if it spans hosts
 
@@ -234,15 +242,13 @@ class Agent:
             self.job.write(self.spec, self.state)
 
     def _take_lock(self) -> int:
-        def say() -> None:
-            self.log_line(f"job {self.spec.name}'s previous agent is still ending: waiting up to {ENDING_WAIT_S:g} s")
-
-        return self.job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say)
+        return take_job_lock(self.job, self.log_line)
 
     def launch(self) -> None:
         """Start the job fresh: a new sandbox with nproc workers."""
         become_subreaper()
-        self.lock_fd = self._take_lock()
+        if self.lock_fd < 0:  # the launcher may hold it already (it chose, under it, to start anew)
+            self.lock_fd = self._take_lock()
         init = paths.native_dir() / "cryosleep-init"
         if not os.access(init, os.X_OK):
             raise CryosleepError(f"the sandbox init {init} is missing", "the native helpers were not built",
@@ -293,6 +299,7 @@ class Agent:
                     os.close(fd)
         self.state.state = "running"
         self.save_state()
+        self.record_in_store("running", None)
         self.tail = LogTail(self.job, self.spec.ranks, self.out)
 
     def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
@@ -304,7 +311,8 @@ class Agent:
         become_subreaper()
 
         def before_criu(manifest: Any) -> list[str] | None:
-            self.lock_fd = self._take_lock()
+            if self.lock_fd < 0:  # the launcher may hold it already (it chose, under it, to resume)
+                self.lock_fd = self._take_lock()
             if rendezvous is None:
                 return None
             rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
@@ -320,6 +328,7 @@ class Agent:
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
                               restored_from=restored.manifest.id, net_end=restored.net_end)
         self.save_state()
+        self.record_in_store("running", restored.manifest.id)
         self.tail = LogTail(self.job, self.spec.ranks, self.out, from_end=True)
         self.restore_phases = restored.phases.rounded()
         return restored
@@ -408,7 +417,13 @@ class Agent:
             st.exit_code = code
             st.detail = self.ended_by or (self._failure_detail() if code else "")
         self.save_state()
+        self.record_in_store({"exited": "ended"}.get(st.state, st.state), self.suspended_in or st.last_snapshot)
         return code
+
+    def record_in_store(self, state: str, snapshot: str | None) -> None:
+        """The job's record in its stores, for a later launch of the same line on any machine (agent/resume.py)."""
+        remote = str((self.spec.persist or {}).get("url") or "") or None
+        resume.record(paths.default_store(), remote, resume.StoreRecord(self.spec.name, state, snapshot), self.log_line)
 
     def _failure_detail(self) -> str:
         parts = []

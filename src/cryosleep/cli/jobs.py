@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.agent.agent import Agent
+from cryosleep.agent import resume
+from cryosleep.agent.agent import Agent, become_subreaper, take_job_lock
 from cryosleep.agent.coordinated import RestoreRendezvous, problems_of
 from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.capture import outbound
+from cryosleep.cli import resuming
 from cryosleep.cli.host_cmd import place_snapshot
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
 from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config, retention_of
@@ -51,6 +53,12 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-python", "--no_python", action="store_true", help="run the program directly")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a Python module")
     p.add_argument("--detach", action="store_true", help="return once the job runs; follow it with `jobs`")
+    p.add_argument("--fresh", action="store_true",
+                   help="start the job anew even if it is suspended in a snapshot (default: the same launch line "
+                   "resumes a job that a stop snapshot suspended; docs/platforms.md)")
+    p.add_argument("--resume", choices=["auto", "latest"], default="auto",
+                   help="latest: also when the job's last run died without a stop snapshot, restore its newest "
+                   "verified snapshot with this command (default auto: only a suspended job resumes)")
     p.add_argument("--no-interceptor", action="store_true",
                    help="do not preload Cryosleep's NCCL interceptor into the workers (a job that then holds live "
                    "NCCL communicators on GPUs cannot be snapshot)")
@@ -258,9 +266,20 @@ def cmd_run(a: argparse.Namespace) -> int:
     spec.coordinator = coordinator[0] if coordinator else ""
     job = JobDir(spec.name)
     triggers = trigger_config(a)
+    if a.fresh and a.resume != "auto":
+        raise UsageError("--fresh and --resume latest contradict each other", "one starts anew, one resumes",
+                         "give one of them")
+    lock_fd = -1
+    if spec.nnodes == 1:  # decided under the job's lock: two launches of one job never both run it
+        become_subreaper()
+        lock_fd = take_job_lock(job, lambda m: sys.stderr.write(f"cryosleep: {m}\n"))
+        choice = resuming.decide(spec, "fresh" if a.fresh else a.resume, quiet=a.json or a.detach)
+        if choice.action == "restore" and choice.snapshot is not None:
+            return _resume(a, spec, choice.snapshot, lock_fd, triggers)
 
     def start(out: Any) -> Agent:
         agent = Agent(job, spec, out=out)
+        agent.lock_fd = lock_fd
         agent.coordinator = coordinator
         agent.net_peers = _peers(a.net_peers)
         if agent.learns_peers() and coordinator is not None:  # the overlay's peers come from the coordinator
@@ -275,6 +294,33 @@ def cmd_run(a: argparse.Namespace) -> int:
     if not a.json:
         sys.stderr.write(f"cryosleep: job {spec.name}: {spec.nproc_per_node} worker(s) running "
                          f"(snapshot it with `cryosleep snapshot {spec.name}`)\n")
+    return _finish(agent, agent.serve(), a.json)
+
+
+def _resume(a: argparse.Namespace, spec: JobSpec, snap: resume.Candidate, lock_fd: int,
+            triggers: Any) -> int:
+    """``run`` of a suspended job: its snapshot restored, under the lock the launcher took, then supervised as
+    ``run`` supervises (the launch line's triggers and store apply from here on)."""
+    where = None if snap.where == "local" else snap.where
+    store, manifest, _ = fetch_for_restore(snap.id, where, a.key_file, as_json=a.json, quiet=a.detach)
+    job = JobDir(spec.name)
+    printer = PhasePrinter(not a.json and not a.detach)
+
+    def start(out: Any) -> Agent:
+        agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
+        agent.lock_fd = lock_fd
+        agent.triggers = TriggerRunner(agent, triggers)
+        agent.restore(store, manifest.id, progress=printer)
+        agent.spec.persist = spec.persist  # the launch line's store and retention, as for a fresh start
+        agent.job.write(agent.spec, agent.state)
+        return agent
+
+    def describe(agent: Agent) -> dict[str, Any]:
+        return {**_describe(agent), "snapshot": manifest.id, "resumed": True, "phases": agent.restore_phases}
+
+    if a.detach:
+        return _detached(job.agent_log, start, describe, a.json)
+    agent = start(sys.stderr if a.json else sys.stdout)
     return _finish(agent, agent.serve(), a.json)
 
 
