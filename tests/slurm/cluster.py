@@ -158,7 +158,7 @@ class SlurmCluster:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "SchedulerType=sched/builtin",
-            "SchedulerParameters=sched_interval=1,preempt_send_user_signal",
+            "SchedulerParameters=sched_interval=1",
             "PreemptType=preempt/partition_prio",
             "PreemptMode=REQUEUE",
             "JobRequeue=1",
