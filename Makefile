@@ -1,7 +1,10 @@
 # Everything a fresh machine needs, in one place. `make demo` and `make test` run `make setup` first.
 #   setup   Python venv with the package, PyTorch (CPU) and the dev tools; the native helpers; CRIU 4.2
 #           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt);
-#           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way)
+#           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way);
+#           Slurm and munge from the distribution's packages, for the Slurm tests (tests/slurm)
+#   slurm   only that last step: apt-get install of slurmctld, slurmd, slurm-client and munge (no daemon is started:
+#           the tests run their own, in a private directory)
 #   test    the default test suite (what CI runs)
 #   demo    the main job: snapshot, stop and restore a small DDP job, compared bit for bit
 #   lint    ruff and mypy --strict
@@ -10,9 +13,9 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN = $(VENV)/bin
 
-.PHONY: setup venv native criu s3server test demo lint clean
+.PHONY: setup venv native criu s3server slurm test demo lint clean
 
-setup: venv native criu s3server
+setup: venv native criu s3server slurm
 
 venv: $(VENV)/.installed
 
@@ -31,6 +34,13 @@ criu: venv
 
 s3server: venv
 	$(BIN)/python tools/s3serve.py install
+
+SLURM_PACKAGES = slurmctld slurmd slurm-client munge
+slurm:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+	    && command -v munged >/dev/null; then echo "slurm: installed"; else \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    $(SLURM_PACKAGES); fi
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=25

@@ -54,6 +54,10 @@ INTERCEPTOR_LIB = "libcryosleep_nccl.so"
 # off unless this is set (pinning stalls the job's CUDA calls, and on an H200 a 2-rank 24 GiB job hung with it
 # at 5 s: docs/interceptor.md, "The fast path")
 PREPARE_ENV = "CRYOSLEEP_PREPARE_EVERY_S"
+# Set for the workers when the agent owns SIGTERM (--grace): cryosleep-init forwards, and the workers obey, only a
+# SIGTERM the agent sent (marked), not a scheduler's SIGTERM to every process of the job (Slurm's scancel, requeue,
+# time limit, preemption): native/nccl/interceptor/shield.c, docs/triggers.md
+TERM_SHIELD_ENV = "CRYOSLEEP_TERM_SHIELD"
 # How long a run or restore waits for an agent of the same job that is still ending (after a stop snapshot: its
 # job's processes exit, freeing device and pinned memory, and it removes the staging files; seconds at 24 GiB).
 ENDING_WAIT_S = 120.0
@@ -200,6 +204,10 @@ class Triggers(Protocol):
     def close(self) -> None:
         """Called as the agent ends."""
 
+    @property
+    def grace_s(self) -> float | None:
+        """``--grace``: a SIGTERM starts a stop snapshot due within this many seconds (None: SIGTERM ends the job)."""
+
 
 class Agent:
     net_peers: tuple[str, ...] = ()  # the job network's overlay peers (other hosts' addresses), if it spans hosts
@@ -308,6 +316,8 @@ class Agent:
             shutil.rmtree(devmem, ignore_errors=True)
             devmem.mkdir(mode=0o700)
         env = worker_env(self.spec, self.job.ctl, devmem, failures.error_file(self.job, "{rank}"))
+        if self.triggers is not None and self.triggers.grace_s is not None:
+            env[TERM_SHIELD_ENV] = "1"  # SIGTERM is the agent's: the workers live until its stop snapshot has them
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
         self.save_state()
@@ -381,10 +391,14 @@ class Agent:
     def forward_signal(self, signum: int) -> None:
         """The usual path of a signal to the agent: SIGTERM to the workers, SIGKILL at the second one."""
         self._signals += 1
-        # as torchrun: the signal itself to the workers (the ones the sandbox's init passes on), then SIGKILL
+        # as torchrun: the signal itself to the workers (the ones the sandbox's init passes on), then SIGKILL; a
+        # SIGTERM marked, so that the init forwards it and the workers' SIGTERM shield (if any) lets it through
         sig = (signum if signum in INIT_FORWARDS else signal.SIGTERM) if self._signals == 1 else signal.SIGKILL
         try:
-            os.kill(self.state.init_pid, sig)
+            if sig == signal.SIGTERM:
+                proctree.send_marked(self.state.init_pid, sig)
+            else:
+                os.kill(self.state.init_pid, sig)
         except ProcessLookupError:
             pass
 

@@ -58,7 +58,10 @@ class Watchdog:
             self.armed = False
             self._say("disarm")
             if self.proc.stdin is not None:
-                self.proc.stdin.close()
+                try:
+                    self.proc.stdin.close()
+                except OSError:
+                    pass  # it is gone already (its "disarm" could not be flushed)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -67,6 +70,10 @@ class Watchdog:
 
 def main(argv: list[str]) -> int:
     init_pid, log = int(argv[0]), argv[1]
+    # A scheduler ending the job signals every process of it (Slurm: SIGTERM to the whole step): the watchdog ends
+    # with its agent (its pipe closes), never before, or a stop snapshot would lose its guard.
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
     try:
         pidfd = os.pidfd_open(init_pid)
     except OSError:

@@ -21,6 +21,7 @@ from cryosleep.cli.snapshots import add_snapshots
 from cryosleep.cli.store_cmds import add_store_cmds
 from cryosleep.cli.triggers import add_decisions
 from cryosleep.errors import CryosleepError
+from cryosleep.triggers import early
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,6 +63,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    early.hold()  # a SIGUSR1 before the agent listens (Slurm's warning to a batch script that just started)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse(argv)

@@ -30,7 +30,7 @@ from cryosleep.core import proctree
 from cryosleep.core.job import JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CryosleepError, NotFound
 from cryosleep.store.local import LocalStore
-from cryosleep.triggers import decisions, notices, schedule
+from cryosleep.triggers import decisions, early, notices, schedule, slurm
 
 TICK_S = 0.2
 
@@ -113,6 +113,13 @@ class TriggerRunner:
             self._thread("periodic", self._periodic)
         if self.config.notices:
             self._thread("notices", self._notices)
+        for signum in early.take():  # it came while the job was starting or being restored
+            self._log(f"{signal.Signals(signum).name} came while the job was starting; acting on it now")
+            self.on_signal(signum)
+
+    @property
+    def grace_s(self) -> float | None:
+        return self.config.grace
 
     def close(self) -> None:
         self._halt.set()
@@ -217,8 +224,33 @@ class TriggerRunner:
         if deadline is not None:
             outcome["within_deadline"] = time.time() <= deadline
         self._outcome(rid, d, outcome)
-        if done is not None and outcome["outcome"] in ("suspended", "suspended-in-last"):
-            done()
+        if outcome["outcome"] in ("suspended", "suspended-in-last"):
+            if done is not None:
+                done()
+            self._slurm_requeue(trigger)
+
+    def _slurm_requeue(self, trigger: str) -> None:
+        """The job is suspended: in a Slurm batch job, ask Slurm to requeue it or not (triggers/slurm.py), one more
+        decision in the log (trigger ``slurm``)."""
+        jid = slurm.job_id()
+        if jid is None:
+            return
+        job = slurm.describe(jid) if trigger != "sigterm" else slurm.SlurmJob(jid)
+        choice = slurm.decide(trigger, job)
+        rid = self._next_id()
+        self._log(f"decision {rid}: slurm -> {choice.action} of job {jid}: {'; '.join(choice.reasons)}")
+        decisions.append(self.log_path, {"event": "decided", "id": rid, "job": self.agent.spec.name, "trigger": "slurm",
+                                         "mode": "stop", "action": choice.action, "reasons": choice.reasons,
+                                         "at": time.time(), "detail": f"after the {trigger} stop",
+                                         "slurm": slurm.to_json(job)})
+        began = time.monotonic()
+        outcome: dict[str, Any] = {"outcome": "not-requeued"}
+        if choice.action == slurm.REQUEUE:
+            ok, said = slurm.requeue(jid)
+            outcome = {"outcome": "requeued" if ok else "requeue-failed", "detail": said}
+            self._log(f"decision {rid}: slurm -> {outcome['outcome']} ({said})")
+        decisions.append(self.log_path, {"event": "outcome", "id": rid, "at": time.time(),
+                                         "duration_s": round(time.monotonic() - began, 3), **outcome})
 
     def _after_failure(self, trigger: str, e: CryosleepError) -> dict[str, Any]:
         """The stop snapshot failed (the job was resumed): what now."""
@@ -284,10 +316,13 @@ class TriggerRunner:
 
     # -- the decision log ----------------------------------------------------------------------
 
-    def _decided(self, d: schedule.TriggerDecision) -> str:
+    def _next_id(self) -> str:
         with self._lock:
             self._seq += 1
-            rid = f"{os.getpid()}-{self._seq}"
+            return f"{os.getpid()}-{self._seq}"
+
+    def _decided(self, d: schedule.TriggerDecision) -> str:
+        rid = self._next_id()
         job = self.agent.spec.name
         left = f", {d.remaining_s:.1f} s left" if d.remaining_s is not None else ""
         est = f", estimate {d.estimate_s:.1f} s" if d.estimate_s is not None else ""
