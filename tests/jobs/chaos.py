@@ -116,11 +116,11 @@ def _settle(h: Harness, name: str, timeout: float = 60) -> str:
     at = len(h.losses(name))
     while time.monotonic() < end:
         _, st = h.job(name).read()
-        alive = bool(st.init_pid) and proctree.alive(st.init_pid)
         if st.state not in ("starting", "running", "lost"):
             return st.state
         if st.state == "lost":
-            return "unsupervised" if alive else "lost"
+            time.sleep(3.0)  # an armed watchdog kills the sandbox at once: give it the time
+            return "unsupervised" if proctree.alive(st.init_pid) else "lost"
         if len(h.losses(name)) >= at + 3 or h.losses(name)[-1:] == [reference(SCRIPT, ARGS)[0][-1]]:
             return "running"
         time.sleep(0.1)
