@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the judge) and src/ from a checkout
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))
 
+from cryosleep import paths
 from cryosleep.capture import criu_install
 from tests.jobs import chaos
 from tests.jobs.harness import Harness
@@ -34,6 +35,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="cryosleep-chaos-") as tmp:
         home = Path(tmp) / "home"
         home.mkdir()
+        os.environ.setdefault("CRYOSLEEP_CRIU_ROOT", str(paths.criu_root()))  # the installed CRIU, not the temp home's
         os.environ.update(CRYOSLEEP_HOME=str(home), CRYOSLEEP_STORE=str(Path(tmp) / "store"))
         criu_install.reset_cache()
         h = Harness(home)

@@ -256,7 +256,15 @@ def end_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    # what CRIU forked was re-parented to this process (the agent is a subreaper): reap it, or it stays a zombie
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        try:
+            if os.waitpid(-pgid, os.WNOHANG) == (0, 0):
+                time.sleep(0.01)
+        except ChildProcessError:
+            return
 
 
 def _killed(criu: Criu, code: int, root_pid: int, tree: list[int], rid: str | None, log: Path) -> CaptureFailed:
