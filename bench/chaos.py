@@ -44,7 +44,8 @@ def main() -> int:
             res = chaos.run_round(h, chaos.Plan.of(a.seed + i))
             results.append(res)
             line = (f"round {i + 1}/{a.rounds} seed {res.plan.seed}: {res.plan.mode}, {res.plan.victim} at "
-                    f"{res.plan.delay} s ({res.moment}{'' if res.killed else ', absent'}) -> {res.outcome}: "
+                    f"{res.plan.anchor} + {res.plan.delay} s ({res.moment}{'' if res.killed else ', absent'}) "
+                    f"-> {res.outcome}: "
                     f"{'pass' if res.ok else 'FAIL'} ({res.seconds} s)")
             print(line, flush=True)
             if not res.ok:

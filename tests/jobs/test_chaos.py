@@ -24,5 +24,6 @@ def test_chaos_round(cryo_home: Path, i: int) -> None:
     require_criu()
     res = chaos.run_round(Harness(cryo_home), chaos.Plan.of(SEED + i))
     assert res.ok, (f"seed {res.plan.seed}: {res.plan.mode} snapshot, {res.plan.victim} killed at "
-                    f"{res.plan.delay} s ({res.moment}) -> {res.outcome}:\n  " + "\n  ".join(res.problems)
+                    f"{res.plan.anchor} + {res.plan.delay} s ({res.moment}) -> {res.outcome}:\n  "
+                    + "\n  ".join(res.problems)
                     + f"\nreplay: {res.plan.replay()} (or CRYOSLEEP_CHAOS_SEED={res.plan.seed - i})")
