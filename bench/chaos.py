@@ -48,12 +48,12 @@ def main() -> int:
                     f"-> {res.outcome}: "
                     f"{'pass' if res.ok else 'FAIL'} ({res.seconds} s)")
             print(line, flush=True)
+            if a.json:  # after every round: a long run cut short keeps what it measured
+                a.json.write_text(json.dumps([r.to_json() for r in results], indent=2))
             if not res.ok:
                 print("  " + "\n  ".join(res.problems) + f"\n  replay: {res.plan.replay()}", flush=True)
     print(f"\nseed {a.seed}, {len(results)} rounds, {sum(not r.ok for r in results)} failed\n")
     print(chaos.report(results))
-    if a.json:
-        a.json.write_text(json.dumps([r.to_json() for r in results], indent=2))
     return 1 if any(not r.ok for r in results) else 0
 
 
