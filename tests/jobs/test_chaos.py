@@ -15,8 +15,8 @@ from tests.jobs.harness import Harness
 
 pytestmark = pytest.mark.slow
 
-SEED = int(os.environ.get("CRYOSLEEP_CHAOS_SEED") or 22)
-ROUNDS = 4
+SEED = int(os.environ.get("CRYOSLEEP_CHAOS_SEED") or 169)  # its 3 rounds: a rank, CRIU, the agent; both modes
+ROUNDS = 3
 
 
 @pytest.mark.parametrize("i", range(ROUNDS))
