@@ -243,12 +243,12 @@ def run_round(h: Harness, plan: Plan) -> Result:
 
 
 def report(results: list[Result]) -> str:
-    """The chaos table: victims x moments x outcomes, with round counts."""
-    rows: dict[tuple[str, str, str, str], int] = {}
+    """The chaos table: victims x snapshot modes x moments x outcomes, with round counts."""
+    rows: dict[tuple[str, str, str, str, str], int] = {}
     for r in results:
-        key = (r.plan.victim if r.killed else f"{r.plan.victim} (absent)", r.moment, r.outcome,
+        key = (r.plan.victim if r.killed else f"{r.plan.victim} (absent)", r.plan.mode, r.moment, r.outcome,
                "pass" if r.ok else "FAIL")
         rows[key] = rows.get(key, 0) + 1
-    lines = ["| victim | moment | outcome | judged | rounds |", "|---|---|---|---|---|"]
-    lines += [f"| {v} | {m} | {o} | {j} | {n} |" for (v, m, o, j), n in sorted(rows.items())]
+    lines = ["| victim | snapshot | moment | outcome | judged | rounds |", "|---|---|---|---|---|---|"]
+    lines += [f"| {v} | {mode} | {m} | {o} | {j} | {n} |" for (v, mode, m, o, j), n in sorted(rows.items())]
     return "\n".join(lines)
