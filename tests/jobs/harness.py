@@ -216,11 +216,3 @@ def tables_of(log: str | Path) -> list[str]:
     rid = criu.run_id(Path(log))
     return [t for t in lock_tables() if rid and netlock.of_run(t.split()[1], rid)]
 
-
-def wait_until(cond: Any, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{what} did not happen in {timeout} s")

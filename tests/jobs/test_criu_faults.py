@@ -18,6 +18,7 @@ import pytest
 
 from cryosleep.capture import criu
 from tests.conftest import require_criu
+from tests.jobs.coordinated import wait_for
 from tests.jobs.harness import (
     Harness,
     criu_dumps,
@@ -25,7 +26,6 @@ from tests.jobs.harness import (
     lock_tables,
     reference,
     tables_of,
-    wait_until,
     workload,
 )
 
@@ -82,7 +82,7 @@ def test_agent_killed_mid_dump_leaves_no_lock_and_the_last_snapshot_restores(h: 
     h.wait_step(name, 5, timeout=300)
     last = h.snapshot(name)["snapshot"]  # the last verified snapshot
     snap = hanging_snapshot(h, name, *(["--stop"] if mode == "stop" else []))
-    wait_until(lambda: in_post_dump(store()), 300, "the dump's post-dump hook")
+    wait_for(lambda: in_post_dump(store()), 300, "the dump's post-dump hook")
     log = dump_log()
     rid = criu.run_id(log)
     assert tables_of(log), f"CRIU run {rid} holds no network lock on the host: the test would prove nothing"
@@ -90,10 +90,10 @@ def test_agent_killed_mid_dump_leaves_no_lock_and_the_last_snapshot_restores(h: 
     os.kill(agent, signal.SIGKILL)
     snap.communicate(timeout=120)
     # its watchdog kills the sandbox, ends CRIU, removes the lock table and the staging
-    wait_until(lambda: h.state(name) == "lost" and not h.pids(name), 60, "the sandbox's end")
-    wait_until(lambda: not [t for t in lock_tables() if rid and t.split()[1][5:] in rid], 60, "the lock's removal")
-    wait_until(lambda: not criu_dumps(store()), 60, "the end of the dead agent's CRIU")
-    wait_until(lambda: not any((store() / ".staging").iterdir()), 60, "the staging's removal")
+    wait_for(lambda: h.state(name) == "lost" and not h.pids(name), 60, "the sandbox's end")
+    wait_for(lambda: not [t for t in lock_tables() if rid and t.split()[1][5:] in rid], 60, "the lock's removal")
+    wait_for(lambda: not criu_dumps(store()), 60, "the end of the dead agent's CRIU")
+    wait_for(lambda: not any((store() / ".staging").iterdir()), 60, "the staging's removal")
     h.restore(last)
     assert h.wait_end(name, timeout=600) == 0
     assert_identical(h, name)
@@ -104,7 +104,7 @@ def test_criu_killed_mid_dump_leaves_the_job_running(h: Harness) -> None:
     h.run(name, SCRIPT, ARGS)
     h.wait_step(name, 5, timeout=300)
     snap = hanging_snapshot(h, name)
-    wait_until(lambda: in_post_dump(store()), 300, "the dump's post-dump hook")
+    wait_for(lambda: in_post_dump(store()), 300, "the dump's post-dump hook")
     log = dump_log()
     assert tables_of(log)
     (pid,) = criu_dumps(store())  # CRIU itself, not its hook
@@ -128,8 +128,10 @@ def test_criu_killed_at_its_start_the_next_snapshot_starts_at_once(h: Harness) -
     h.wait_step(name, 5, timeout=300)
     snap = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "snapshot", "--json", name],
                             env=h.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    found: list[int] = []
-    wait_until(lambda: found.extend(criu_dumps(store())) or found, 300, "CRIU's start")
+    end = time.monotonic() + 300
+    while not (found := criu_dumps(store())):  # polled tightly: the window is tens of milliseconds
+        assert time.monotonic() < end, "CRIU did not start"
+        time.sleep(0.002)
     time.sleep(0.04)  # within its first 30-50 ms, while it probes the kernel with helpers it forks and stops
     pid = found[0]
     os.kill(pid, signal.SIGKILL)
