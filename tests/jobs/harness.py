@@ -168,3 +168,54 @@ class Harness:
     def ls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = self.cli_json("ls")
         return out
+
+
+# -- faults at moments of a dump (tests/jobs/test_criu_faults.py, bench/chaos.py) ---------------------------
+
+
+def _proc_bytes(pid: str, what: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{what}").read_bytes()
+    except OSError:
+        return b""
+
+
+def criu_dumps(store: str | Path) -> list[int]:
+    """The CRIU dumps (and what they forked) writing into ``store``: their PIDs, in /proc order."""
+    key = str(store).encode()
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            argv = _proc_bytes(d, "cmdline").split(b"\0")
+            if b"dump" in argv and any(key in a for a in argv):
+                out.append(int(d))
+    return out
+
+
+def in_post_dump(store: str | Path) -> bool:
+    """True while CRIU's post-dump action (cryosleep's hook) runs for a dump into ``store``: the tree is frozen,
+    its images written, its network locked and its sockets in TCP repair mode."""
+    key = str(store).encode()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            env = _proc_bytes(d, "environ")
+            if b"CRTOOLS_SCRIPT_ACTION=post-dump" in env and key in env:
+                return True
+    return False
+
+
+def lock_tables() -> list[str]:
+    """The CRIU network lock tables of the host's network namespace (``family name``)."""
+    from cryosleep.capture import criu_install, netlock
+
+    nft = criu_install.locate().nft_argv
+    return [f"{f} {n}" for f, n in netlock.tables(nft)] if nft else []
+
+
+def tables_of(log: str | Path) -> list[str]:
+    """The lock tables left of the CRIU run whose log is ``log``."""
+    from cryosleep.capture import criu, netlock
+
+    rid = criu.run_id(Path(log))
+    return [t for t in lock_tables() if rid and netlock.of_run(t.split()[1], rid)]
+

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TextIO
 from cryosleep import metrics, paths
 from cryosleep.agent import coordinated, failures, resume
 from cryosleep.agent.watchdog import Watchdog
+from cryosleep.capture import criu_install, netlock
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, underlay_towards
@@ -266,6 +267,29 @@ class Agent:
             else:
                 self.watchdog.arm(reason)
 
+    def on_dump(self, rec: netlock.DumpRecord | None) -> None:
+        """The CRIU dump under way or holding the job, recorded for a survivor of this agent (capture/netlock.py)."""
+        self.state.dump = rec.to_json() if rec is not None else None
+        self.save_state()
+        if self.watchdog is not None:
+            self.watchdog.dump(self.state.dump, criu_install.locate().nft_argv if rec is not None else None)
+
+    def undo_dead_dump(self) -> None:
+        """(the job's lock just taken) What a previous agent of this job left on this host when it died during a
+        dump (its CRIU, its network lock, its staging) is undone; nothing when it left nothing."""
+        try:
+            old = self.job.read()[1]
+        except (CryosleepError, OSError, ValueError, KeyError, TypeError):
+            return
+        if old.dump:
+            try:
+                nft = criu_install.locate().nft_argv
+            except CryosleepError:
+                nft = None
+            done = netlock.undo(netlock.DumpRecord.from_json(old.dump), nft)
+            if done:
+                self.log_line(f"job {self.spec.name}'s previous agent died during a dump: " + ", ".join(done))
+
     @property
     def stopping(self) -> bool:
         return self._stopping
@@ -294,6 +318,7 @@ class Agent:
         become_subreaper()
         if self.lock_fd < 0:  # the launcher may hold it already (it chose, under it, to start anew)
             self.lock_fd = self._take_lock()
+        self.undo_dead_dump()
         init = paths.native_dir() / "cryosleep-init"
         if not os.access(init, os.X_OK):
             raise CryosleepError(f"the sandbox init {init} is missing", "the native helpers were not built",
@@ -359,6 +384,7 @@ class Agent:
         def before_criu(manifest: Any) -> list[str] | None:
             if self.lock_fd < 0:  # the launcher may hold it already (it chose, under it, to resume)
                 self.lock_fd = self._take_lock()
+            self.undo_dead_dump()
             for r in self.spec.ranks:  # a later run's error reports: never read as the restored job's
                 failures.error_file(self.job, r).unlink(missing_ok=True)
             if rendezvous is None:
@@ -633,7 +659,8 @@ class Agent:
         ctl = {r: self.job.ctl_path(r) for r in self.spec.ranks} if self.spec.interceptor else {}
         target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
                                          restored_from=self.state.restored_from, end=end, ctl=ctl,
-                                         log=self.log_line if self.out is None else None, arm=self.arm)
+                                         log=self.log_line if self.out is None else None, arm=self.arm,
+                                         on_dump=self.on_dump)
         if self.persister is None and persist:
             self.persister = store_persist.for_job(self.spec.name, self.spec.persist,
                                                    self.log_line if self.out is None else None)

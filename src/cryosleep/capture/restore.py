@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files, outbound
+from cryosleep.capture import criu_install, cuda, files, netlock, outbound
 from cryosleep.core import proctree
 from cryosleep.core.interceptor import Cmd, ControlBlock, State
 from cryosleep.core.job import JobSpec
@@ -105,6 +105,22 @@ def gpu_pairs(captured: list[dict[str, Any]], here: list[cuda.Gpu], gpu_map: lis
     return cuda.uuid_pairs(old, new)
 
 
+def refuse_under_lock(spec: JobSpec, criu: criu_install.Criu) -> None:
+    """A job on the host's network is not restored under a CRIU network lock it did not take: the lock would drop
+    the very connections CRIU brings back, and the restored ranks would hang (capture/netlock.py)."""
+    if spec.net:
+        return  # its own network namespace: no lock of the host's applies to it
+    locks = netlock.blocking(criu.nft_argv, spec.master_port)
+    if locks:
+        raise NotEligible(
+            f"job {spec.name!r} cannot be restored under the CRIU network lock {locks[0]}",
+            f"that nftables table drops connections to port {spec.master_port}, the job's rendezvous port, and "
+            "was not taken by this restore: a dump is under way (or its agent died without removing it)",
+            f"wait for the dump of any job on port {spec.master_port} to end; if none runs, `cryosleep check` "
+            f"removes what a dead agent left, or remove it: nft delete table {locks[0]}; then restore again",
+            locks=locks)
+
+
 def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600.0,
             progress: Progress | None = None, before_criu: Callable[[Manifest], Sequence[str] | None] | None = None,
             gpu_map: list[int] | None = None, net_peers: Sequence[str] = (), relay: Relay | None = None) -> Restored:
@@ -140,6 +156,7 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
         if before_criu:
             learned = before_criu(manifest)
             net_peers = net_peers or learned or ()
+        refuse_under_lock(spec, criu)
     with phases.phase("files"):
         files.restore(node.staged, node_dir / "files")
     fast = node.gpu.get("fast_path") or {}

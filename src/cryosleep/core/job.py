@@ -122,6 +122,9 @@ class JobState:
     snapshot_in_progress: str | None = None
     ending_since: float | None = None  # the agent is ending its job (a stop snapshot ended it, or it exited)
     net_end: str | None = None  # the sandbox's veth host end on the job network (--net job)
+    # a CRIU dump under way or holding the job under its network lock (capture.netlock.DumpRecord as JSON):
+    # what a survivor of a dead agent undoes
+    dump: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
