@@ -99,7 +99,8 @@ def test_tampered_snapshots_are_refused_and_unsigned_ones_need_the_flag(h: Harne
     # 2. A swapped image file (a worker's memory pages from the older snapshot in place of this one's): its
     # checksum fails.
     old_dir = Path(os.environ["CRYOSLEEP_STORE"]) / "snapshots" / older
-    old_sums = {f["path"]: f["sha256"] for f in json.loads((old_dir / "manifest.json").read_text())["nodes"][0]["files"]}
+    old_files = json.loads((old_dir / "manifest.json").read_text())["nodes"][0]["files"]
+    old_sums = {f["path"]: f["sha256"] for f in old_files}
     rel = next(f["path"] for f in json.loads(original)["nodes"][0]["files"]
                if "/criu/pages-" in f["path"] and old_sums.get(f["path"], f["sha256"]) != f["sha256"])
     kept = tmp_path / "kept.img"
