@@ -185,3 +185,26 @@ def test_the_chunk_store_is_authenticated_before_a_fetch_and_resigned_without_ch
     assert got.auth is not None and got.auth["key_id"] == key_id
     assert auth.authenticate(elsewhere.load(m.id), m.id).startswith(f"signed with key {key_id}")
     assert elsewhere.verify(m.id) == []
+
+
+def test_a_jobs_recorded_key_file_is_a_root_but_a_manifests_never(tmp_path: Path) -> None:
+    """A local restore of a job run with --key-file finds its key through this host's record of the job; a key
+    path written into a manifest (by whoever wrote the store) is never used to check that manifest."""
+    enc = key(tmp_path / "job.key")
+    record = tmp_path / "home" / "jobs" / "job" / "job.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"spec": {"name": "job", "persist": {"url": "x", "key_file": str(enc)}}, "state": {}}))
+    found = auth.signing_key("job")
+    assert found is not None and found.origin.startswith(str(enc)) and "encryption key" in found.origin
+    store = LocalStore(tmp_path / "store")
+    m = snapshot(store)  # signed by the committing side with the same root
+    assert auth.authenticate(store.load(m.id), m.id).startswith(f"signed with key {found.key_id}")
+    record.unlink()
+    forged = store.load(m.id)
+    forged.job["persist"] = {"key_file": str(key(tmp_path / "attacker.key"))}
+    from cryosleep.store.crypto import JobKey
+
+    attacker = JobKey.from_secret(bytes.fromhex((tmp_path / "attacker.key").read_text()))
+    auth.sign(forged, auth.SignKey.from_secret(attacker.sign, "attacker"))
+    with pytest.raises(Unauthenticated, match="signed with key"):
+        auth.authenticate(forged, m.id)

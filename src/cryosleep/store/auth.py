@@ -24,8 +24,8 @@ The signing key of a job is found, first match wins, in:
    id the snapshot names (empty when signing), that prints the key (the hook keeps old keys by id, so it can
    rotate without re-signing);
 5. ``$CRYOSLEEP_HOME/keys/<job>.sign``: the job's own key file;
-6. the job's encryption key (``--key-file``, ``$CRYOSLEEP_KEY``...: :mod:`cryosleep.store.crypto`), from which a
-   signing key is derived with HKDF (its own ``info`` label);
+6. the job's encryption key (``--key-file``, else the one this host's record of the job names, ``$CRYOSLEEP_KEY``...:
+   :mod:`cryosleep.store.crypto`), from which a signing key is derived with HKDF (its own ``info`` label);
 7. ``$CRYOSLEEP_HOME/keys/host.sign``: the host's key, made (32 random bytes, owner-only) the first time this
    host signs without any of the above. Snapshots signed with it restore on this host only, until the key is
    copied (or they are re-signed under a shared key).
@@ -59,7 +59,8 @@ ALGORITHM = "HMAC-SHA256"
 PURPOSE = "cryosleep-manifest-v1"
 HOOK_TIMEOUT_S = 30.0
 KEY_HINT = ("give the job's signing key with --sign-key-file FILE, $CRYOSLEEP_SIGN_KEY, $CRYOSLEEP_SIGN_KEY_FILE or "
-            "$CRYOSLEEP_SIGN_KEY_COMMAND, or put it in $CRYOSLEEP_HOME/keys/<job>.sign (docs/security.md)")
+            "$CRYOSLEEP_SIGN_KEY_COMMAND, or put it in $CRYOSLEEP_HOME/keys/<job>.sign; a job run with --key-file: "
+            "give that (docs/security.md)")
 UNSIGNED_HINT = ("if you trust where this snapshot came from, pass --allow-unsigned (then sign it: "
                  "`cryosleep resign SNAPSHOT --allow-unsigned`); otherwise do not restore it")
 # Where no job keeps a file a restore could put back: the kernel's and the devices' (not /dev/shm).
@@ -132,7 +133,7 @@ def signing_key(job: str, trust: Trust = STRICT, *, key_id: str = "", create: bo
     own = paths.home() / "keys" / f"{job}.sign"
     if "/" not in job and not job.startswith(".") and own.is_file():
         return SignKey.from_secret(read_key_file(own, KEY_HINT), str(own))
-    enc = _encryption_root(job, trust.key_file)
+    enc = _encryption_root(job, trust.key_file or _recorded_key_file(job))
     if enc is not None:
         return enc
     host = paths.home() / "keys" / "host.sign"
@@ -141,6 +142,20 @@ def signing_key(job: str, trust: Trust = STRICT, *, key_id: str = "", create: bo
     if host.exists():
         return SignKey.from_secret(read_key_file(host, KEY_HINT), str(host))
     return None
+
+
+def _recorded_key_file(job: str) -> Path | None:
+    """The key file this host's record of the job names (``$CRYOSLEEP_HOME/jobs/<job>/job.json``, written by its
+    agent here: the job's ``--key-file``), so a local restore needs no ``--key-file`` again. Never a path a
+    manifest names: a manifest is what is being checked."""
+    if "/" in job or job.startswith("."):
+        return None
+    try:
+        spec = json.loads((paths.jobs_dir() / job / "job.json").read_text())["spec"]
+        key_file = spec["persist"].get("key_file")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return Path(key_file) if isinstance(key_file, str) and key_file else None
 
 
 def _encryption_root(job: str, key_file: Path | None) -> SignKey | None:
@@ -194,8 +209,9 @@ def authenticate(manifest: Manifest, sid: str, trust: Trust = STRICT) -> str:
     if key.key_id != key_id:
         raise Unauthenticated(what, f"it is signed with key {key_id}; the key of job {manifest.job_name!r} "
                               f"(from {key.origin}) is {key.key_id}: another job's or tenant's key, or an old one",
-                              "if it is an old key of this job, re-sign the snapshot with `cryosleep resign SNAPSHOT "
-                              "--from-key-file OLD`; otherwise do not restore it")
+                              "a job run with --key-file: give it; if it is an old key of this job, re-sign the "
+                              "snapshot with `cryosleep resign SNAPSHOT --from-key-file OLD`; otherwise do not "
+                              "restore it")
     if not hmac.compare_digest(mac, key.mac(_message(manifest, key_id))):
         raise Unauthenticated(what, f"its manifest was altered after it was signed (the {ALGORITHM} under key "
                               f"{key_id} does not match)", "do not restore it; restore another snapshot and remove "
