@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cryosleep import paths
 from cryosleep.cli.main import main
 from cryosleep.errors import StoreCorrupt, UsageError
 from cryosleep.store import auth, persist
@@ -24,6 +25,8 @@ from cryosleep.store.s3serve import S3Server
 
 from .conftest import new_bucket
 from .helpers import image_bytes
+
+CRIU_ROOT = str(paths.criu_root())  # resolved at import, before a test moves $CRYOSLEEP_HOME
 
 
 def key(path: Path) -> Path:
@@ -40,7 +43,8 @@ def snapshot(store: LocalStore, job: str = "job", victim: str = "/tmp/cryosleep-
     (node / "files").mkdir()
     (node / "criu" / "pages-1.img").write_bytes(image_bytes(1, 300_000))
     (node / "files" / "0000").write_bytes(b"log\n")
-    m = Manifest(id=st.id, job={"name": job, "program": ["train.py"], "env": {"API_TOKEN": "t", "LR": "1"}},
+    m = Manifest(id=st.id, job={"name": job, "program": ["/nonexistent/train.py"], "cwd": "/", "nproc_per_node": 1,
+                                      "env": {"API_TOKEN": "t", "LR": "1"}},
                  mode="stop", created_at=time.time(),
                  nodes=[NodeImage(0, [0], 1, files=hash_tree(st.path, ["nodes/0"]),
                                   staged=[StagedFile(victim, 4, 0o644, "0000", "x")])],
@@ -208,3 +212,30 @@ def test_a_jobs_recorded_key_file_is_a_root_but_a_manifests_never(tmp_path: Path
     auth.sign(forged, auth.SignKey.from_secret(attacker.sign, "attacker"))
     with pytest.raises(Unauthenticated, match="signed with key"):
         auth.authenticate(forged, m.id)
+
+
+def test_the_restore_checks_the_mac_first_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """capture.restore's first phase: a signed snapshot passes it (and stops at the next check here, its program
+    being absent); an edited one is refused there, its file not written."""
+    from cryosleep.capture import criu_install
+    from cryosleep.capture import restore as capture_restore
+    from cryosleep.errors import NotEligible
+    from tests.conftest import require_criu
+
+    monkeypatch.setenv("CRYOSLEEP_CRIU_ROOT", CRIU_ROOT)
+    criu_install.reset_cache()
+    require_criu()
+    store = LocalStore(tmp_path / "store")
+    victim = tmp_path / "job-files" / "log"
+    m = snapshot(store, victim=str(victim))
+    store.load(m.id)
+    with pytest.raises(NotEligible, match="program"):  # past the MAC, the paths and every checksum
+        capture_restore.restore(store, m.id, tmp_path / "work")
+    path = store.path_of(m.id) / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["job"]["program"] = ["/bin/true"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(Unauthenticated, match="altered after it was signed"):
+        capture_restore.restore(store, m.id, tmp_path / "work")
+    assert not victim.exists() and not (tmp_path / "work").exists()
+    criu_install.reset_cache()
