@@ -1,7 +1,8 @@
 """Authenticated snapshots of a real job (real CRIU, real PyTorch, through the CLI): a manifest edited to write
 elsewhere, a swapped image file, an older manifest replayed under a newer id, and a manifest signed with another
 job's key are each refused by `verify` and by `restore`, with nothing written and nothing started; an unsigned
-snapshot is refused unless the operator allows it, and then restores and continues bit for bit."""
+snapshot is refused unless the operator allows it; the signed snapshot, and the unsigned one with the flag,
+restore and continue bit for bit."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_tampered_snapshots_are_refused_and_unsigned_ones_need_the_flag(h: Harne
     assert before.state == "suspended"
 
     def untouched() -> None:
-        """Nothing was started, and the job's state is as the stop snapshot left it."""
+        """Nothing was started, and the job's state is as it was (``before``)."""
         st = h.job("trusty").read()[1]
         assert (st.state, st.agent_pid, st.init_pid) == (before.state, before.agent_pid, before.init_pid)
         assert not proctree.alive(st.init_pid)
@@ -123,7 +124,14 @@ def test_tampered_snapshots_are_refused_and_unsigned_ones_need_the_flag(h: Harne
     _refused(h, sid, f"signed with key {other.key_id}")
     untouched()
 
-    # 5. Unsigned: refused without the flag, accepted with it, and the job then continues bit for bit.
+    # 5. The snapshot as signed restores, and the job continues bit for bit.
+    mpath.write_text(original)
+    h.cli_json("restore", "--detach", sid)
+    assert h.wait_end("trusty") == 0
+    assert h.losses("trusty", 0) == reference(script, args)[0]
+
+    # 6. Unsigned: refused without the flag, accepted with it, and the job then continues bit for bit again.
+    before = h.job("trusty").read()[1]
     edited(lambda data: data.pop("auth"))
     _refused(h, sid, "not signed")
     untouched()
