@@ -36,6 +36,7 @@ from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
+from cryosleep.store.auth import STRICT, Trust
 from cryosleep.store.local import LocalStore
 from cryosleep.timing import Progress
 
@@ -375,7 +376,8 @@ class Agent:
 
     def restore(self, store: LocalStore, ref: str, *, progress: Progress | None = None,
                 timeout: float = 600.0, gpu_map: list[int] | None = None,
-                rendezvous: coordinated.RestoreRendezvous | None = None) -> capture_restore.Restored:
+                rendezvous: coordinated.RestoreRendezvous | None = None,
+                trust: Trust = STRICT) -> capture_restore.Restored:
         """Bring the job back from a snapshot into a fresh sandbox. ``rendezvous``: one node of a multi-node
         restore: nothing starts unless every node passed its checks, and ids cross nodes at the rebuild (the
         caller tells the other nodes when this fails: ``RestoreRendezvous.failed``)."""
@@ -394,7 +396,7 @@ class Agent:
 
         restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
                                            progress=progress, before_criu=before_criu, gpu_map=gpu_map,
-                                           net_peers=self.net_peers, relay=rendezvous)
+                                           net_peers=self.net_peers, relay=rendezvous, trust=trust)
         self.spec = restored.spec
         fast = restored.manifest.nodes[0].gpu.get("fast_path") or {}
         self.devmem_dirs = {Path(e["stage_path"]).parent for e in fast.get("ranks", {}).values()}

@@ -216,7 +216,7 @@ class Dest:
             host = t
         port: int | None = None
         if port_text is not None:
-            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:  # not "²"
                 raise bad(f"{port_text!r} is not a port (1-65535)")
             port = int(port_text)
         if not host:

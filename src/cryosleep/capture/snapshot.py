@@ -537,8 +537,5 @@ def rehearse(target: Target, *, timeout: float = 600.0, progress: Progress | Non
 
 
 def _rewrite_manifest(store: LocalStore, manifest: Manifest) -> None:
-    """Record the final phase times (the manifest's checksummed files are unchanged)."""
-    path = store.path_of(manifest.id) / "manifest.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(manifest.dumps())
-    os.replace(tmp, path)
+    """Record the final phase times (the manifest's checksummed files are unchanged; it is signed anew)."""
+    store.rewrite(manifest)

@@ -18,8 +18,15 @@ from cryosleep.agent.coordinated import RestoreRendezvous, problems_of
 from cryosleep.capture import outbound
 from cryosleep.cli import launch_args, resuming
 from cryosleep.cli.host_cmd import place_snapshot
-from cryosleep.cli.output import PhasePrinter, emit_json, require_root
-from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config, retention_of
+from cryosleep.cli.output import PhasePrinter, emit_json, require_root, seconds_arg
+from cryosleep.cli.transfer import (
+    add_persist_options,
+    add_trust_options,
+    fetch_for_restore,
+    remote_config,
+    retention_of,
+    trust_of,
+)
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
@@ -89,8 +96,9 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="where the snapshot is: a store directory, or s3://bucket/prefix (fetched and verified "
                    "into $CRYOSLEEP_STORE first; the restored job goes on persisting there)")
     add_persist_options(r, store=False)
+    add_trust_options(r)
     add_trigger_args(r)
-    r.add_argument("--timeout", type=float, default=600.0)
+    r.add_argument("--timeout", type=seconds_arg, default=600.0, help="give up after this (e.g. 600, 10m)")
     r.add_argument("--net-peers", default="", metavar="IP,...",
                    help="a job network spanning hosts: the other hosts' addresses (VXLAN overlay peers; default "
                    "with --coordinator: learned at the restore's barrier)")
@@ -357,7 +365,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
                                        underlay=underlay)
         rendezvous.announce()
     try:
-        store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach)
+        store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach,
+                                                    trust=trust_of(a))
     except BaseException as e:
         if rendezvous is not None:  # the other nodes must not wait for an image this node could not get
             rendezvous.failed(problems_of(e))
@@ -386,7 +395,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
         if rendezvous is not None:
             rendezvous.log = agent.log_line
         agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map,
-                      rendezvous=rendezvous)
+                      rendezvous=rendezvous, trust=trust_of(a))
         if fetched is not None:  # the restored job goes on persisting where it came from
             retain = retention_of(a) or (agent.spec.persist or {}).get("retain")  # the job's own, unless given
             agent.spec.persist = remote_config(agent.spec.name, fetched["store"], a.key_file, a.local_keep, retain)

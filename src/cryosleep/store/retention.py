@@ -16,6 +16,7 @@ With no rule set at all, everything is kept.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,8 +105,9 @@ def parse_age(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
     t = text.strip().lower()
     try:
-        if t and t[-1] in units:
-            return float(t[:-1]) * units[t[-1]]
-        return float(t)
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except ValueError:
-        raise ValueError(f"not an age: {text!r} (write e.g. 90s, 15m, 12h, 7d, 2w)") from None
+        value = math.nan
+    if not math.isfinite(value) or value < 0:  # "nan", "inf", "-1d", "1e308w" are no ages
+        raise ValueError(f"not an age: {text!r} (write e.g. 90s, 15m, 12h, 7d, 2w)")
+    return value
