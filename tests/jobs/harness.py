@@ -177,10 +177,11 @@ def assert_identical(h: Harness, name: str, script: Path, args: list[str], ranks
 
 
 def keep_stop_restore(h: Harness, name: str, script: Path, args: list[str], hold: Path, hold_at: int = 10,
-                      ranks: tuple[int, ...] = (0, 1), start_timeout: float = 300) -> dict[str, Any]:
+                      ranks: tuple[int, ...] = (0, 1), start_timeout: float = 900) -> dict[str, Any]:
     """The cycle a workload goes through unchanged: started by ``cryosleep run``, a keep-running snapshot once it
-    trains (``start_timeout`` for its first step: a framework's imports are slow on a busy machine), a stop snapshot
-    a step later, a restore of that, run to its end; every rank's losses equal to plain torchrun's. The workload
+    trains (``start_timeout`` for its first step: only a hang guard, a framework's imports and inductor's compiles
+    take minutes on a busy machine), a stop snapshot a step later, a restore of that, run to its end; every rank's
+    losses equal to plain torchrun's. The workload
     takes ``--hold FILE --hold-at K`` (it waits after step K, in the middle of its run, until FILE exists): the stop
     snapshot catches it still training however slow the machine is, and the restored job trains on from there.
     Returns the stop snapshot's summary."""
