@@ -1,5 +1,6 @@
 # Everything a fresh machine needs, in one place. `make demo` and `make test` run `make setup` first.
-#   setup   Python venv with the package, PyTorch (CPU) and the dev tools; the native helpers; CRIU 4.2
+#   setup   Python venv with the package, PyTorch (CPU), the dev tools and the frameworks the tests train with
+#           (transformers, Lightning, torchdata: pinned, never replacing torch); the native helpers; CRIU 4.2
 #           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt);
 #           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way);
 #           Slurm and munge from the distribution's packages, for the Slurm tests (tests/slurm)
@@ -23,7 +24,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" numpy matplotlib
-	$(BIN)/pip install -q -e '.[dev]'
+	printf '%s\n' "$(TORCH)" > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[dev,frameworks]'
 	touch $@
 
 native:

@@ -170,6 +170,42 @@ class Harness:
         return out
 
 
+def assert_identical(h: Harness, name: str, script: Path, args: list[str], ranks: list[int]) -> None:
+    """Each of ``ranks``' loss lines in job ``name`` equal the same script's under plain torchrun, bit for bit."""
+    ref = reference(script, args)
+    for r in ranks:
+        got = h.losses(name, r)
+        assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(
+            next((i for i, (a, b) in enumerate(zip(got, ref[r], strict=False)) if a != b), min(len(got), len(ref[r]))))
+
+
+def keep_stop_restore(h: Harness, name: str, script: Path, args: list[str], hold: Path, hold_at: int = 10,
+                      ranks: tuple[int, ...] = (0, 1), start_timeout: float = 900) -> dict[str, Any]:
+    """The cycle a workload goes through unchanged: started by ``cryosleep run``, a keep-running snapshot once it
+    trains (``start_timeout`` for its first step: only a hang guard, a framework's imports and inductor's compiles
+    take minutes on a busy machine), a stop snapshot a step later, a restore of that, run to its end; every rank's
+    losses equal to plain torchrun's. The workload
+    takes ``--hold FILE --hold-at K`` (it waits after step K, in the middle of its run, until FILE exists): the stop
+    snapshot catches it still training however slow the machine is, and the restored job trains on from there.
+    Returns the stop snapshot's summary."""
+    args = [*args, "--hold", str(hold), "--hold-at", str(hold_at)]
+    h.run(name, script, args)
+    h.wait_step(name, 1, timeout=start_timeout)
+    keep = h.snapshot(name)
+    assert keep["mode"] == "keep-running" and h.state(name) == "running", keep
+    h.wait_step(name, min(int(h.losses(name)[-1].split()[0]) + 1, hold_at), timeout=start_timeout)
+    stop = h.snapshot(name, "--stop")
+    assert stop["mode"] == "stop", stop
+    assert h.wait_end(name) == 75, h.job(name).read()[1].detail
+    stopped_at = len(h.losses(name))
+    hold.touch()
+    h.restore(stop["snapshot"])
+    assert h.wait_end(name) == 0, h.job(name).read()[1].detail
+    assert_identical(h, name, script, args, list(ranks))
+    assert stopped_at < len(h.losses(name)), "the job had ended before its stop snapshot: nothing was restored"
+    return stop
+
+
 # -- faults at moments of a dump (tests/jobs/test_criu_faults.py, bench/chaos.py) ---------------------------
 
 

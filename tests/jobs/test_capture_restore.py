@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_criu
-from tests.jobs.harness import Harness, reference, workload
+from tests.jobs.harness import Harness, assert_identical, reference, workload
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +26,6 @@ BASIC = ["--steps", "40", "--step-sleep", "0.05"]
 def h(cryo_home: Path) -> Harness:
     require_criu()
     return Harness(cryo_home)
-
-
-def assert_identical(h: Harness, name: str, script: Path, args: list[str], ranks: list[int]) -> None:
-    ref = reference(script, args)
-    for r in ranks:
-        got = h.losses(name, r)
-        assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(
-            next((i for i, (a, b) in enumerate(zip(got, ref[r], strict=False)) if a != b), min(len(got), len(ref[r]))))
 
 
 def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness) -> None:

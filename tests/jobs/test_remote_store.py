@@ -17,8 +17,7 @@ import pytest
 from cryosleep.store.cas import ChunkStore
 from cryosleep.store.s3 import S3Backend
 from tests.conftest import require_criu
-from tests.jobs.harness import Harness, free_port, workload
-from tests.jobs.test_capture_restore import assert_identical
+from tests.jobs.harness import Harness, assert_identical, free_port, workload
 from tests.jobs.test_triggers import scrape
 from tests.store.conftest import new_bucket, require_radosgw, settings_of
 from tools.s3serve import S3Server
