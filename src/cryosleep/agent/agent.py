@@ -213,6 +213,7 @@ class Triggers(Protocol):
 
 class Agent:
     net_peers: tuple[str, ...] = ()  # the job network's overlay peers (other hosts' addresses), if it spans hosts
+    barrier_peers: tuple[str, ...] = ()  # those a multi-node restore learned at its barrier
 
     def __init__(self, job: JobDir, spec: JobSpec, *, out: TextIO | None) -> None:
         self.job = job
@@ -392,6 +393,7 @@ class Agent:
             if rendezvous is None:
                 return None
             rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
+            self.barrier_peers = tuple(rendezvous.peers)
             return rendezvous.peers  # the other nodes' underlay addresses: the overlay before the rebuild
 
         restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
@@ -458,7 +460,7 @@ class Agent:
             self.net_watch = coordinated.NetPeers(
                 CoordinatorClient(*self.coordinator), self.spec.run_id, self.spec.node_rank, self.spec.nnodes,
                 self.underlay or underlay_towards(self.coordinator[0]), lambda p: net_sandbox.set_peers(net, p),
-                self.log_line).start()
+                self.log_line, known=self.barrier_peers).start()
         init = self.state.init_pid
         status = 0
         try:

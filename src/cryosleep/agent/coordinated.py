@@ -36,7 +36,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cryosleep import paths
@@ -651,7 +651,8 @@ class NetPeers:
     and retry their first connection (TCPStore) until the overlay reaches the master's node."""
 
     def __init__(self, client: CoordinatorClient, run_id: str, node_rank: int, nnodes: int, underlay: str,
-                 apply: Callable[[list[str]], None], log: Callable[[str], None]) -> None:
+                 apply: Callable[[list[str]], None], log: Callable[[str], None],
+                 known: Sequence[str] = ()) -> None:
         self.client = client
         self.board = net_board(run_id)
         self.key = f"underlay/{node_rank}"
@@ -659,7 +660,12 @@ class NetPeers:
         self.underlay = underlay
         self.apply = apply
         self.log = log
-        self.applied: list[str] | None = None
+        # A restored node's peers, learned at the restore's barrier: already applied, and kept until they had the
+        # time to post (NET_FRESH_S): a peer restored a moment later, whose entry on the board is still its old run's
+        # (stale), is not dropped from the overlay by this node's first round.
+        self.applied: list[str] | None = sorted(known) if known else None
+        self.known = frozenset(known)
+        self.since = time.monotonic()
         self.stopped = threading.Event()
         self.wait_s = 5.0  # a round waits this long for every node's entry
         self._apply_lock = threading.Lock()  # stop() waits for an update under way; none starts after it
@@ -678,6 +684,8 @@ class NetPeers:
         """One round, the overlay updated if the peers changed; True once every other node posted. After stop()
         nothing is applied: the job's network may be released already."""
         peers, heard = self.round()
+        if self.known and time.monotonic() - self.since < NET_FRESH_S:
+            peers = sorted(set(peers) | self.known)
         with self._apply_lock:
             if self.stopped.is_set():
                 return False
