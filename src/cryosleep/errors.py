@@ -15,6 +15,7 @@ Every error says what failed, why, and what to do next, and has a JSON form for 
      |    +-- IntegrityError    bytes read or written do not match their checksum
      |    +-- ChunkCorrupt      a chunk's bytes do not give back its address
      |    +-- WrongKey          a chunk does not decrypt with the job's key
+     |    +-- Unauthenticated   a manifest unsigned, altered, replayed or signed with another key (store/auth.py)
      +-- BackendError           a store backend failed (I/O, network, server); ``retryable`` says if it may pass
      +-- CriuUnavailable        no usable CRIU; the hint says how to install it
      +-- IprouteUnavailable     no iproute2 (``ip``, ``bridge``) to run; the hint says how to get one
@@ -143,6 +144,12 @@ class ChunkCorrupt(StoreCorrupt):
 
 class WrongKey(StoreCorrupt):
     kind = "wrong_key"
+
+
+class Unauthenticated(StoreCorrupt):
+    """A snapshot whose manifest is unsigned, altered, signed with another key, or copied from another one."""
+
+    kind = "unauthenticated"
 
 
 class ProtocolError(CryosleepError):

@@ -1,6 +1,6 @@
 """Removing the records of jobs that have ended (`cryosleep jobs rm`, `cryosleep jobs prune`).
 
-A job's directory (agent/job.py) holds its record, its logs, its NCCL control blocks and a restore's work files;
+A job's directory (core/job.py) holds its record, its logs, its NCCL control blocks and a restore's work files;
 none of its snapshots, which live in the stores and are never touched here. Only an ended job's directory goes:
 exited, failed, or lost (its agent gone, and its sandbox with it). The others are refused, each with what to do:
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.errors import CryosleepError, StoreCorrupt, UsageError
+from cryosleep.errors import CryosleepError, Unauthenticated, UsageError
 from cryosleep.store.keyfile import find_secret, new_key_file, parse_key, read_key_file
 from cryosleep.store.manifest import Manifest
 
@@ -65,12 +65,6 @@ UNSIGNED_HINT = ("if you trust where this snapshot came from, pass --allow-unsig
                  "`cryosleep resign SNAPSHOT --allow-unsigned`); otherwise do not restore it")
 # Where no job keeps a file a restore could put back: the kernel's and the devices' (not /dev/shm).
 NOT_JOB_FILES = ("/proc/", "/sys/", "/dev/")
-
-
-class Unauthenticated(StoreCorrupt):
-    """A snapshot whose manifest is unsigned, altered, signed with another key, or copied from another one."""
-
-    kind = "unauthenticated"
 
 
 @dataclass(frozen=True)
