@@ -35,7 +35,8 @@ from tests.jobs.harness import Harness, reference, workload
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--steps", "50", "--step-sleep", "0.05"]
+# long enough to outlive a keep-running snapshot and reach step 20 after it
+ARGS = ["--steps", "150", "--step-sleep", "0.05"]
 UNDERLAY = ("10.250.1.1", "10.250.1.2")
 
 
