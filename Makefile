@@ -14,7 +14,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN = $(VENV)/bin
 
-.PHONY: setup venv native criu s3server slurm test demo lint clean
+.PHONY: setup venv native criu s3server slurm test test-extended test-fast demo lint clean
 
 setup: venv native criu s3server slurm
 
@@ -46,6 +46,12 @@ slurm:
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=25
+
+test-extended: setup
+	$(BIN)/python -m pytest -q -m extended --durations=10
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not extended"
 
 demo: setup
 	$(BIN)/cryosleep demo

@@ -15,7 +15,7 @@ from tests.jobs.harness import Harness, keep_stop_restore, workload
 
 # minutes each on a busy 2-core machine (a framework job twice, with its imports and compiles): the default 600 s
 # is a hang guard too tight for them there
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(1800)]
 
 STEPS = ["--steps", "20", "--step-sleep", "0.1"]  # held after step 10 until the stop snapshot is done
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REAL_CRIU_ROOT, require_criu
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 ROOT = Path(__file__).resolve().parents[2]
 
