@@ -63,9 +63,13 @@ def test_dropout_lr_schedule_and_dataloader_workers(h: Harness, workers: int) ->
     assert_identical(h, name, script, args, [0])
 
 
-def test_many_snapshots_stop_restore_twice(h: Harness) -> None:
+def test_many_snapshots_stop_restore_twice(h: Harness, tmp_path: Path) -> None:
     script = workload("ddp_basic")
-    args = ["--steps", "60", "--step-sleep", "0.05"]
+    # The job waits after its last step until the test lets it end: on a loaded machine a keep-running snapshot
+    # takes seconds (CRIU's dump, then the checksum while the job runs on), and 60 steps of 0.05 s were all done
+    # before the third snapshot, which then found no job.
+    linger = tmp_path / "linger"
+    args = ["--steps", "60", "--step-sleep", "0.05", "--linger", str(linger)]
     h.run("many", script, args)
     for step in (5, 10, 15):
         h.wait_step("many", step)
@@ -79,6 +83,7 @@ def test_many_snapshots_stop_restore_twice(h: Harness) -> None:
     assert h.wait_end("many") == 75
     restored = h.restore(s2["snapshot"])
     assert restored["restored_from"] == s2["snapshot"]
+    linger.touch()
     assert h.wait_end("many") == 0
     assert_identical(h, "many", script, args, [0, 1])
     snaps = h.ls()
