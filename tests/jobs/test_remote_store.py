@@ -97,7 +97,7 @@ def test_stop_to_s3_restore_from_s3_alone(h: Harness, srv: S3Server, tmp_path: P
     (f) a stop snapshot whose upload fails leaves the job running and says what failed."""
     script = workload("ddp_basic")
     linger = tmp_path / "linger"
-    args = ["--steps", "200", "--step-sleep", "0.12", "--linger", str(linger)]  # trains past the failed stop
+    args = ["--steps", "400", "--step-sleep", "0.12", "--linger", str(linger)]  # trains past the failed stop
     bucket = new_bucket(srv)
     url = f"s3://{bucket}/team/cryo"
     key = key_file(tmp_path / "job.key")
