@@ -14,7 +14,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN = $(VENV)/bin
 
-.PHONY: setup venv native criu s3server slurm test test-extended test-fast demo lint clean
+.PHONY: setup venv native criu s3server slurm test test-extended test-slurm test-fast demo lint clean
 
 setup: venv native criu s3server slurm
 
@@ -50,8 +50,11 @@ test: setup
 test-extended: setup
 	$(BIN)/python -m pytest -q -m extended --durations=10
 
+test-slurm: setup
+	$(BIN)/python -m pytest -q -m slurm --durations=10
+
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not extended"
+	$(BIN)/python -m pytest -q -m "not slow and not extended and not slurm"
 
 demo: setup
 	$(BIN)/cryosleep demo

@@ -27,7 +27,7 @@ from tests.conftest import require_criu
 from tests.jobs.harness import Harness, reference, workload
 from tests.slurm.cluster import ACTIVE, SlurmCluster, installed
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 SCRIPT = workload("ddp_basic")
 SRC = Path(cryosleep.__file__).resolve().parents[1]  # the tree under test
