@@ -32,7 +32,7 @@ def test_the_wheel_carries_the_native_helpers_and_runs_the_demo(tmp_path: Path, 
     names = set(zipfile.ZipFile(wheel).namelist())
     for native in ("cryosleep-init", "libcryosleep_nccl.so", "standin/libnccl.so.2"):
         assert f"cryosleep/_native/{native}" in names
-    assert "cryosleep/capture/criu.lock.json" in names
+    assert "cryosleep/core/criu.lock.json" in names
     assert not any("/tests/" in n or n.startswith("tests/") for n in names)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
