@@ -516,8 +516,8 @@ class Agent:
 
     def record_in_store(self, state: str, snapshot: str | None) -> None:
         """The job's record in its stores, for a later launch of the same line on any machine (agent/resume.py)."""
-        remote = str((self.spec.persist or {}).get("url") or "") or None
-        resume.record(paths.default_store(), remote, resume.StoreRecord(self.spec.name, state, snapshot), self.log_line)
+        resume.record(paths.default_store(), resume.remote_of(self.spec.persist),
+                      resume.StoreRecord(self.spec.name, state, snapshot), self.log_line)
 
     def _failure_detail(self) -> str:
         parts = []

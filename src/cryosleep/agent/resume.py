@@ -209,6 +209,11 @@ def read_remote_record(url: str, job: str) -> StoreRecord | None:
     return rec if rec is not None and rec.job == job else None
 
 
+def remote_of(persist: dict[str, Any] | None) -> str | None:
+    """The remote store a job persists to (its spec's ``persist``), if any."""
+    return str((persist or {}).get("url") or "") or None
+
+
 def record(store_root: Path, remote: str | None, rec: StoreRecord, log: Any = None) -> None:
     """The job's record, in the local store and (when the job persists there) the remote one. A record that cannot
     be written is said in the agent's log and costs the job nothing: without it a new machine starts the job anew."""

@@ -49,13 +49,16 @@ def gather(spec: JobSpec, policy: resume.Policy) -> resume.Found:
         _, st = job.read()
         last_state, last_snapshot, last_at = st.state, st.last_snapshot, st.ended_at or st.started_at
     store = LocalStore(paths.default_store())
-    remote = str((spec.persist or {}).get("url") or "") or None
+    remote = resume.remote_of(spec.persist)
     rec = resume.read_local_record(store.root, spec.name)
     if rec is None and remote is not None:
         rec = resume.read_remote_record(remote, spec.name)
-    candidates = _local_candidates(store, spec.name, verify=policy == "latest")
-    if remote is not None:
-        candidates += _remote_candidates(remote, spec.name, {c.id for c in candidates})
+    candidates: list[resume.Candidate] = []
+    suspended = last_state == "suspended" or (rec is not None and rec.state == "suspended")
+    if policy == "latest" or (policy == "auto" and suspended):  # else the choice reads no snapshot: none listed
+        candidates = _local_candidates(store, spec.name, verify=policy == "latest")
+        if remote is not None:
+            candidates += _remote_candidates(remote, spec.name, {c.id for c in candidates})
     return resume.Found(spec=spec.to_json(), last_state=last_state, last_snapshot=last_snapshot, last_at=last_at,
                         store_state=rec.state if rec else None, store_snapshot=rec.snapshot if rec else None,
                         store_at=rec.at if rec else 0.0, candidates=tuple(candidates))
@@ -63,8 +66,6 @@ def gather(spec: JobSpec, policy: resume.Policy) -> resume.Found:
 
 def decide(spec: JobSpec, policy: resume.Policy, *, quiet: bool) -> resume.Choice:
     """The choice for this launch, logged in the job's decision log and said on stderr; a refusal raised."""
-    if policy == "fresh" and not JobDir(spec.name).exists():
-        return resume.Choice("fresh", ("--fresh",))
     choice = resume.choose(gather(spec, policy), policy)
     log = decisions.path_for(JobDir(spec.name).path)
     now = time.time()
