@@ -14,18 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_criu
 from tests.jobs.harness import Harness, assert_identical, reference, workload
 
 pytestmark = pytest.mark.slow
 
 BASIC = ["--steps", "40", "--step-sleep", "0.05"]
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
 
 
 def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from cryosleep.capture import criu
-from tests.conftest import require_criu
 from tests.jobs.coordinated import wait_for
 from tests.jobs.harness import (
     Harness,
@@ -33,12 +32,6 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = workload("ddp_basic")
 ARGS = ["--steps", "300", "--step-sleep", "0.05"]
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
 
 
 def store() -> Path:

@@ -8,23 +8,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import require_criu
 from tests.jobs.harness import Harness, workload
 
 pytestmark = pytest.mark.slow
 
 ARGS = ["--steps", "5000", "--step-sleep", "0.03"]  # runs until the test ends it
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
 
 
 def jobs(h: Harness, *argv: str) -> tuple[int, Any]:

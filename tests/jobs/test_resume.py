@@ -12,19 +12,12 @@ from pathlib import Path
 import pytest
 
 from cryosleep.triggers import decisions
-from tests.conftest import require_criu
 from tests.jobs.harness import Harness, assert_identical, workload
 
 pytestmark = pytest.mark.slow
 
 ARGS = ["--steps", "40", "--step-sleep", "0.05"]
 SCRIPT = workload("ddp_basic")
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
 
 
 def line(*extra: str, args: list[str] = ARGS) -> list[str]:

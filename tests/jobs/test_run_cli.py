@@ -8,18 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_criu
 from tests.jobs.harness import Harness, workload
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
 
 
 def run_fg(h: Harness, *args: str) -> subprocess.CompletedProcess[str]:

@@ -12,25 +12,17 @@ import signal
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.clouds import FakeCloud
-from tests.conftest import require_criu
 from tests.jobs.harness import Harness, free_port, reference, workload
 
 pytestmark = pytest.mark.slow
 
 BASIC = ["--steps", "40", "--step-sleep", "0.05"]
 SCRIPT = workload("ddp_basic")
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
 
 
 def start(h: Harness, name: str, *flags: str, args: list[str] = BASIC) -> dict[str, Any]:

@@ -17,7 +17,6 @@ import pytest
 from cryosleep.core import proctree
 from cryosleep.store.auth import SignKey, sign
 from cryosleep.store.manifest import Manifest
-from tests.conftest import require_criu
 from tests.jobs.harness import Harness, reference, workload
 
 pytestmark = pytest.mark.slow
@@ -140,9 +139,3 @@ def test_tampered_snapshots_are_refused_and_unsigned_ones_need_the_flag(h: Harne
     h.cli_json("restore", "--detach", "--allow-unsigned", sid)
     assert h.wait_end("trusty") == 0
     assert h.losses("trusty", 0) == reference(script, args)[0]
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
