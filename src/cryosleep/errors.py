@@ -17,6 +17,7 @@ Every error says what failed, why, and what to do next, and has a JSON form for 
      |    +-- WrongKey          a chunk does not decrypt with the job's key
      |    +-- Unauthenticated   a manifest unsigned, altered, replayed or signed with another key (store/auth.py)
      +-- BackendError           a store backend failed (I/O, network, server); ``retryable`` says if it may pass
+     |    +-- Conflict          a conditional write lost: the object changed since it was read (or exists)
      +-- CriuUnavailable        no usable CRIU; the hint says how to install it
      +-- IprouteUnavailable     no iproute2 (``ip``, ``bridge``) to run; the hint says how to get one
      +-- CudaError              a call of the CUDA driver's checkpoint API failed
@@ -130,6 +131,10 @@ class BackendError(CryosleepError):
     def __init__(self, what: str, why: str = "", hint: str = "", *, retryable: bool = False) -> None:
         super().__init__(what, why, hint)
         self.retryable = retryable
+
+
+class Conflict(BackendError):
+    kind = "conflict"
 
 
 class IntegrityError(StoreCorrupt):

@@ -136,3 +136,58 @@ def test_the_kubelet_signal_sequence_ends_suspended_and_the_replacement_pod_resu
     assert replacement.returncode == 0, replacement.stderr[-3000:]
     assert "resuming from snapshot" in replacement.stderr
     assert_identical(h, "rs", SCRIPT, ARGS, [0, 1])
+
+
+def test_a_replacement_on_another_machine_waits_for_the_stop_snapshot_then_resumes(h: Harness,
+                                                                                    tmp_path: Path) -> None:
+    """A pod's replacement on another node starts while the old pod still runs (a Job's default replacement
+    policy): it must not run the job beside it. Machine B has its own Cryosleep home and its own host name (a UTS
+    namespace of its own); the two share only the store."""
+    chunks = tmp_path / "chunks"
+    h.cli(*line("--store", str(chunks)))
+    h.wait_step("rs", 10)
+    b_home = tmp_path / "b"
+    (b_home / "home").mkdir(parents=True)
+    b_env = {**h.env, "CRYOSLEEP_HOME": str(b_home / "home"), "CRYOSLEEP_STORE": str(b_home / "store")}
+    b_err = b_home / "launch.err"
+    with b_err.open("w") as err:
+        b = subprocess.Popen(["unshare", "--uts", "sh", "-c", 'hostname machine-b && exec "$@"', "sh", sys.executable,
+                              "-m", "cryosleep.cli.main", "run", "--name", "rs", "--nproc-per-node", "2", "--store",
+                              str(chunks), "--wait-previous", "240", str(SCRIPT), *ARGS],
+                             stdout=subprocess.DEVNULL, stderr=err, env=b_env)
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting up to" not in b_err.read_text():
+            assert b.poll() is None, b_err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "machine B never said it waits for machine A's run"
+            time.sleep(0.2)
+        assert "resuming" not in b_err.read_text() and "starting anew" not in b_err.read_text()
+        sid = h.snapshot("rs", "--stop")["snapshot"]  # machine A's node is drained: its stop snapshot
+        assert h.wait_end("rs") == 75
+        assert b.wait(timeout=300) == 0, b_err.read_text()[-3000:]
+    finally:
+        if b.poll() is None:
+            b.kill()
+    said = b_err.read_text()
+    assert f"resuming from snapshot {sid}" in said, said[-3000:]
+    assert_identical(h, "rs", SCRIPT, ARGS, [0, 1])
+    rec = json.loads((chunks / "cas" / "jobs" / "rs.json").read_text())
+    assert rec["state"] == "ended" and rec["host"] == "machine-b", rec
+
+
+def test_a_run_whose_claim_was_taken_ends_so_that_the_job_runs_once(h: Harness, tmp_path: Path) -> None:
+    """Another machine took the job's record (this run's lease lapsed while the store was out of reach, say): at
+    its next heartbeat the agent sees it and ends its own run; the taker's record is not written over."""
+    chunks = tmp_path / "chunks"
+    h.cli(*line("--store", str(chunks), args=["--steps", "100000", "--step-sleep", "0.05"]))
+    h.wait_step("rs", 3)
+    path = chunks / "cas" / "jobs" / "rs.json"
+    ours = json.loads(path.read_text())
+    assert ours["state"] == "running" and ours["run"]
+    taker = {**ours, "run": "taker", "host": "machine-x", "at": time.time()}
+    path.write_text(json.dumps(taker))
+    assert h.wait_end("rs", timeout=120) != 0
+    assert h.state("rs") == "failed"
+    _, st = h.job("rs").read()
+    assert "taken by another run (taker on machine-x" in st.detail, st.detail
+    assert json.loads(path.read_text())["run"] == "taker"

@@ -82,3 +82,17 @@ def test_store_records_round_trip_and_junk_reads_as_none(tmp_path: Path) -> None
     assert resume.read_local_record(tmp_path, "other") is None
     for junk in (b"", b"[]", b'{"job": "exp"}', b'{"job": "exp", "state": "x", "snapshot": 3}', b"\xff"):
         assert StoreRecord.parse(junk) is None
+
+
+def test_a_run_holds_the_job_elsewhere_only_while_its_lease_is_fresh() -> None:
+    now = 1000.0
+    rec = resume.StoreRecord("j", "running", None, host="a", at=now - 5, run="r1")
+    assert resume.live_elsewhere(rec, "r2", now, host="b")
+    assert not resume.live_elsewhere(rec, "r1", now, host="b")  # our own run
+    assert not resume.live_elsewhere(rec, "r2", now, host="a")  # this machine's run: dead (we hold its lock)
+    assert not resume.live_elsewhere(resume.StoreRecord("j", "running", None, host="a", at=now - resume.LEASE_S,
+                                                        run="r1"), "r2", now, host="b")  # lapsed
+    for state in ("suspended", "ended", "failed"):
+        assert not resume.live_elsewhere(resume.StoreRecord("j", state, None, host="a", at=now, run="r1"), "r2",
+                                         now, host="b")
+    assert not resume.live_elsewhere(None, "r2", now, host="b")

@@ -222,6 +222,8 @@ class Agent:
         self.state = JobState(agent_pid=os.getpid())
         self.runtime: dict[str, Any] = {}
         self.lock_fd = -1
+        self.claim: resume.Claim | None = None  # the job's record in its remote store (agent/resume.py)
+        self.recorded: tuple[str, str | None] = ("", None)
         self.snap_lock = threading.Lock()
         self.state_lock = threading.Lock()
         self.tail: LogTail | None = None
@@ -452,6 +454,8 @@ class Agent:
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         if self.spec.interceptor and self.spec.fast_path and os.environ.get(PREPARE_ENV):
             threading.Thread(target=self._prepare_loop, name="prepare", daemon=True).start()
+        if self.claim is not None:
+            resume.heartbeat(self.claim, lambda: self.recorded, self.log_line, self.end_job)
         if self.coordinator is not None:
             self.runner = coordinated.connect(self, *self.coordinator)
         if self.learns_peers():
@@ -515,8 +519,13 @@ class Agent:
         return code
 
     def record_in_store(self, state: str, snapshot: str | None) -> None:
-        """The job's record in its stores, for a later launch of the same line on any machine (agent/resume.py)."""
-        resume.record(paths.default_store(), resume.remote_of(self.spec.persist),
+        """The job's record in its stores, for a later launch of the same line on any machine; in a remote store
+        through the job's claim, which a launcher hands over (agent/resume.py)."""
+        self.recorded = (state, snapshot)
+        remote = resume.remote_of(self.spec.persist)
+        if remote is not None and (self.claim is None or self.claim.url != remote):
+            self.claim = resume.Claim(remote, self.spec.name)
+        resume.record(paths.default_store(), self.claim if remote else None,
                       resume.StoreRecord(self.spec.name, state, snapshot), self.log_line)
 
     def _failure_detail(self) -> str:

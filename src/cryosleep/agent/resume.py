@@ -18,6 +18,13 @@ second meets the first's lock). What it chose, and why, goes to the job's decisi
 The job's record in a store (``jobs/<name>.json`` beside the snapshots: in a directory store's root, and as an
 object of a remote chunk store) is written by the agent as the job starts, is restored, and ends, so that a new
 machine with only the store knows whether the newest stop snapshot is still waiting to be resumed.
+
+In a remote store the record is also the job's **claim** (:class:`Claim`), so that two launches on two machines (a
+pod and its replacement) never both run it: every write of it is conditional on the version last read (S3's
+``If-Match``/``If-None-Match``, a lock for a directory), a running job's agent refreshes it every
+``HEARTBEAT_S``, and a launch that finds it running elsewhere with a fresh lease (``LEASE_S``) waits for that run
+to end (its stop snapshot then resumes here) before it chooses; a lease not refreshed for ``LEASE_S`` is a run
+that died with its machine.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -152,7 +162,8 @@ class StoreRecord:
     state: str  # running | suspended | ended | failed
     snapshot: str | None = None  # suspended: the stop snapshot; running: the snapshot it was restored from
     host: str = field(default_factory=socket.gethostname)
-    at: float = field(default_factory=time.time)
+    at: float = field(default_factory=time.time)  # written, and refreshed every HEARTBEAT_S while running
+    run: str = ""  # the launch that holds the claim (a remote store's record)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,7 +174,7 @@ class StoreRecord:
         try:
             d = json.loads(data)
             rec = cls(job=str(d["job"]), state=str(d["state"]), snapshot=d.get("snapshot"),
-                      host=str(d.get("host", "")), at=float(d.get("at", 0.0)))
+                      host=str(d.get("host", "")), at=float(d.get("at", 0.0)), run=str(d.get("run", "")))
         except (ValueError, KeyError, TypeError):
             return None
         if rec.snapshot is not None and not isinstance(rec.snapshot, str):
@@ -214,13 +225,116 @@ def remote_of(persist: dict[str, Any] | None) -> str | None:
     return str((persist or {}).get("url") or "") or None
 
 
-def record(store_root: Path, remote: str | None, rec: StoreRecord, log: Any = None) -> None:
-    """The job's record, in the local store and (when the job persists there) the remote one. A record that cannot
-    be written is said in the agent's log and costs the job nothing: without it a new machine starts the job anew."""
+def record(store_root: Path, claim: Claim | None, rec: StoreRecord, log: Any = None) -> None:
+    """The job's record, in the local store and (through the job's claim, when it persists to a remote store) the
+    remote one. A record that cannot be written is said in the agent's log and costs the job nothing: without it a
+    new machine starts the job anew."""
     try:
         write_local_record(store_root, rec)
-        if remote:
-            write_remote_record(remote, rec)
+        if claim is not None and not claim.keep(rec.state, rec.snapshot) and claim.lost is not None:
+            lost = claim.lost
+            if log is not None:
+                log(f"the job's record in {claim.url} was taken by another run ({lost.run} on {lost.host}, "
+                    f"{lost.state}): not written over; if that run is live, this job now runs twice")
     except (OSError, CryosleepError) as e:
         if log is not None:
             log(f"the job's record ({rec.state}) could not be written to its store: {e}")
+
+
+# -- the claim: one run of a job at a time across machines -------------------------------------------------------
+
+HEARTBEAT_S = 10.0
+LEASE_S = float(os.environ.get("CRYOSLEEP_LEASE_S", "") or 3 * HEARTBEAT_S)  # the env: tests of a lapsed lease
+
+
+def live_elsewhere(rec: StoreRecord | None, run: str, now: float, host: str | None = None) -> bool:
+    """The record is of another run of the job that still holds it: running, refreshed within ``LEASE_S``, and not
+    of this machine (the launcher holds the job's lock here, so a run of this host is dead)."""
+    return (rec is not None and rec.state == "running" and rec.run != run and now - rec.at < LEASE_S
+            and rec.host != (host or socket.gethostname()))
+
+
+class Claim:
+    """The job's record in its remote store, written only over the version this launch last read.
+
+    The backend is opened in the process that uses it (a detached agent forks after the launcher claimed)."""
+
+    def __init__(self, url: str, job: str, run: str | None = None) -> None:
+        self.url, self.job = url, job
+        self.run = run or uuid.uuid4().hex[:16]
+        self.version: str | None = None
+        self.last: StoreRecord | None = None  # the record as last read
+        self.lost: StoreRecord | None = None  # the record that another run wrote over ours, once seen
+        self._backend: Any = None
+        self._pid = 0
+        self._read = False
+        self._lock = threading.Lock()
+
+    def backend(self) -> Any:
+        if self._backend is None or self._pid != os.getpid():
+            from cryosleep.store.urls import open_backend  # the S3 client, only for a remote store
+
+            self._backend, self._pid = open_backend(self.url), os.getpid()
+        return self._backend
+
+    def read(self) -> StoreRecord | None:
+        got = self.backend().get_versioned(record_name(self.job))
+        rec = StoreRecord.parse(got[0]) if got is not None else None
+        self.version = got[1] if got is not None else None
+        self.last = rec if rec is not None and rec.job == self.job else None
+        self._read = True
+        return self.last
+
+    def write(self, state: str, snapshot: str | None) -> None:
+        """Our record over the version last read: :class:`~cryosleep.errors.Conflict` if anyone wrote since."""
+        rec = StoreRecord(self.job, state, snapshot, run=self.run)
+        data = json.dumps(rec.to_json(), sort_keys=True).encode()
+        self.version = self.backend().put_if(record_name(self.job), data, self.version)
+
+    def keep(self, state: str, snapshot: str | None) -> bool:
+        """The agent's write (a heartbeat, a restore, the end): over our own record only. False when another run
+        took the record (our lease lapsed, or an operator's restore elsewhere): it is not written over, and
+        :attr:`lost` says who holds it."""
+        from cryosleep.errors import Conflict
+
+        with self._lock:
+            if self.lost is not None:
+                return False
+            if not self._read:  # an agent that was not launched through a claim (a restore): it takes the record
+                self.read()
+            for _ in range(3):
+                try:
+                    self.write(state, snapshot)
+                    return True
+                except Conflict:
+                    rec = self.read()
+                    if rec is not None and rec.run != self.run:
+                        self.lost = rec
+                        return False
+            return False
+
+
+def heartbeat(claim: Claim, recorded: Callable[[], tuple[str, str | None]], log: Callable[[str], None],
+              on_lost: Callable[[str], None]) -> None:
+    """Refreshes the claim every HEARTBEAT_S while the job's record says running (a thread of the agent); ends
+    when the job's record moves on. When another run took the record (this run's lease lapsed while the store was
+    out of reach, or two launches raced on a store whose conditional writes do not serialize), ``on_lost`` ends
+    this run: the other one already chose what to run, and a job must not run twice."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            state, snapshot = recorded()
+            if state != "running" or claim.lost is not None:
+                return
+            try:
+                if not claim.keep(state, snapshot):
+                    lost = claim.lost
+                    on_lost(f"the job's record in {claim.url} was taken by another run"
+                            + (f" ({lost.run} on {lost.host}, {lost.state})" if lost else "")
+                            + ": this run ends, so that the job runs once")
+                    return
+            except (OSError, CryosleepError) as e:  # the store unreachable for a while: the lease may lapse
+                log(f"the job's record in {claim.url} could not be refreshed: {e}")
+
+    threading.Thread(target=loop, name="claim", daemon=True).start()

@@ -55,6 +55,9 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--fresh", action="store_true",
                    help="start the job anew even if it is suspended in a snapshot (default: the same launch line "
                    "resumes a job that a stop snapshot suspended; docs/platforms.md)")
+    p.add_argument("--wait-previous", type=float, default=600.0, metavar="SECONDS",
+                   help="with a remote store: how long to wait for a run of this job on another machine that still "
+                   "holds it (its record refreshed there) to end, before refusing (default 600; docs/platforms.md)")
     p.add_argument("--resume", choices=["auto", "latest"], default="auto",
                    help="latest: also when the job's last run died without a stop snapshot, restore its newest "
                    "verified snapshot with this command (default auto: only a suspended job resumes)")
@@ -258,17 +261,18 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.fresh and a.resume != "auto":
         raise UsageError("--fresh and --resume latest contradict each other", "one starts anew, one resumes",
                          "give one of them")
-    lock_fd = -1
+    lock_fd, claim = -1, None
     if spec.nnodes == 1:  # decided under the job's lock: two launches of one job never both run it
         become_subreaper()
         lock_fd = take_job_lock(job, lambda m: sys.stderr.write(f"cryosleep: {m}\n"))
-        choice = resuming.decide(spec, "fresh" if a.fresh else a.resume, quiet=a.json or a.detach)
+        choice, claim = resuming.decide(spec, "fresh" if a.fresh else a.resume, quiet=a.json or a.detach,
+                                        wait_s=a.wait_previous)
         if choice.action == "restore" and choice.snapshot is not None:
-            return _resume(a, spec, choice.snapshot, lock_fd, triggers)
+            return _resume(a, spec, choice.snapshot, lock_fd, triggers, claim)
 
     def start(out: Any) -> Agent:
         agent = Agent(job, spec, out=out)
-        agent.lock_fd = lock_fd
+        agent.lock_fd, agent.claim = lock_fd, claim
         agent.coordinator = coordinator
         agent.net_peers = _peers(a.net_peers)
         if agent.learns_peers() and coordinator is not None:  # the overlay's peers come from the coordinator
@@ -287,7 +291,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def _resume(a: argparse.Namespace, spec: JobSpec, snap: resume.Candidate, lock_fd: int,
-            triggers: Any) -> int:
+            triggers: Any, claim: resume.Claim | None) -> int:
     """``run`` of a suspended job: its snapshot restored, under the lock the launcher took, then supervised as
     ``run`` supervises (the launch line's triggers and store apply from here on)."""
     where = None if snap.where == "local" else snap.where
@@ -297,7 +301,7 @@ def _resume(a: argparse.Namespace, spec: JobSpec, snap: resume.Candidate, lock_f
 
     def start(out: Any) -> Agent:
         agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
-        agent.lock_fd = lock_fd
+        agent.lock_fd, agent.claim = lock_fd, claim
         agent.triggers = TriggerRunner(agent, triggers)
         agent.restore(store, manifest.id, progress=printer)
         agent.spec.persist = spec.persist  # the launch line's store and retention, as for a fresh start

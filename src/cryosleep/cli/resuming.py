@@ -1,6 +1,8 @@
 """`cryosleep run` resuming its job: what it finds about the job, the choice (agent/resume.py), and saying it.
 
-The launcher calls :func:`decide` while it holds the job's lock, before it starts anything."""
+The launcher calls :func:`decide` while it holds the job's lock, before it starts anything. With a remote store it
+also claims the job there (agent/resume.py's :class:`~cryosleep.agent.resume.Claim`): a run of the job that still
+holds the claim on another machine is waited for, up to ``--wait-previous``, before anything is chosen."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ from typing import Any
 from cryosleep import paths
 from cryosleep.agent import resume
 from cryosleep.core.job import JobDir, JobSpec
-from cryosleep.errors import NotEligible
+from cryosleep.errors import Busy, Conflict, NotEligible
 from cryosleep.store import persist
 from cryosleep.store.local import LocalStore
 from cryosleep.triggers import decisions
 
 __all__ = ["decide", "gather"]
+
+CONFIRM_S = 0.5  # between a claim's write and its read-back
 
 
 def _local_candidates(store: LocalStore, job: str, verify: bool) -> list[resume.Candidate]:
@@ -40,8 +44,9 @@ def _remote_candidates(url: str, job: str, known: set[str]) -> list[resume.Candi
     return out
 
 
-def gather(spec: JobSpec, policy: resume.Policy) -> resume.Found:
-    """Everything the choice reads: the job's record here, its record in the store(s), its snapshots there."""
+def gather(spec: JobSpec, policy: resume.Policy, claim: resume.Claim | None = None) -> resume.Found:
+    """Everything the choice reads: the job's record here, its record in the store(s), its snapshots there. With a
+    claim, the remote store's record is read through it (its version is what the claim writes over)."""
     job = JobDir(spec.name)
     last_state = last_snapshot = None
     last_at = 0.0
@@ -51,7 +56,11 @@ def gather(spec: JobSpec, policy: resume.Policy) -> resume.Found:
     store = LocalStore(paths.default_store())
     remote = resume.remote_of(spec.persist)
     rec = resume.read_local_record(store.root, spec.name)
-    if rec is None and remote is not None:
+    if claim is not None:  # the remote record counts when it is the newer (the job ran elsewhere since)
+        there = claim.read()
+        if there is not None and (rec is None or there.at >= rec.at):
+            rec = there
+    elif rec is None and remote is not None:
         rec = resume.read_remote_record(remote, spec.name)
     candidates: list[resume.Candidate] = []
     suspended = last_state == "suspended" or (rec is not None and rec.state == "suspended")
@@ -64,9 +73,56 @@ def gather(spec: JobSpec, policy: resume.Policy) -> resume.Found:
                         store_at=rec.at if rec else 0.0, candidates=tuple(candidates))
 
 
-def decide(spec: JobSpec, policy: resume.Policy, *, quiet: bool) -> resume.Choice:
-    """The choice for this launch, logged in the job's decision log and said on stderr; a refusal raised."""
-    choice = resume.choose(gather(spec, policy), policy)
+def _wait_previous(spec: JobSpec, policy: resume.Policy, claim: resume.Claim, wait_s: float,
+                   say: Any) -> resume.Found:
+    """What the store says once no other run holds the job's claim (a run elsewhere still refreshing its lease is
+    waited for: a pod's replacement starts while the old pod's stop snapshot is being taken)."""
+    start = time.monotonic()
+    said = 0.0
+    while True:
+        found = gather(spec, policy, claim)
+        rec = claim.last  # the version the claim writes over, the one the choice reads
+        now = time.time()
+        if not resume.live_elsewhere(rec, claim.run, now):
+            return found
+        assert rec is not None
+        waited = time.monotonic() - start
+        if waited >= wait_s:
+            raise Busy(f"job {spec.name} is not started: it is running on {rec.host}",
+                       f"its record in {claim.url} was refreshed {now - rec.at:.0f} s ago (a run holds the job while "
+                       f"it refreshes the record within {resume.LEASE_S:.0f} s); waited {waited:.0f} s for it to end",
+                       "stop that run (its stop snapshot then resumes here), or give --wait-previous more seconds")
+        if waited - said >= 10.0 or said == 0.0:
+            say(f"job {spec.name} is running on {rec.host} (its record in the store, refreshed {now - rec.at:.0f} s "
+                f"ago): waiting up to {wait_s - waited:.0f} s more for that run to end")
+            said = max(waited, 1e-9)
+        time.sleep(min(1.0, max(0.05, wait_s - waited)))
+
+
+def decide(spec: JobSpec, policy: resume.Policy, *, quiet: bool,
+           wait_s: float = 600.0) -> tuple[resume.Choice, resume.Claim | None]:
+    """The choice for this launch, logged in the job's decision log and said on stderr; a refusal raised. With a
+    remote store the job is claimed there before the choice is returned (the claim goes to the agent)."""
+    remote = resume.remote_of(spec.persist)
+    claim = resume.Claim(remote, spec.name) if remote is not None else None
+
+    def say(msg: str) -> None:
+        if not quiet:
+            sys.stderr.write(f"cryosleep: {msg}\n")
+
+    while True:
+        found = _wait_previous(spec, policy, claim, wait_s, say) if claim is not None else gather(spec, policy)
+        choice = resume.choose(found, policy)
+        if claim is None or choice.action == "refuse":
+            break
+        try:
+            claim.write("running", choice.snapshot.id if choice.snapshot else None)
+            time.sleep(CONFIRM_S)  # read back once settled: a store that does not serialize conditional writes
+            if claim.read() is not None and claim.last is not None and claim.last.run == claim.run:
+                break
+        except Conflict:
+            pass
+        say(f"job {spec.name}: its record in the store changed while this launch read it; reading it again")
     log = decisions.path_for(JobDir(spec.name).path)
     now = time.time()
     entry: dict[str, Any] = {"id": f"launch-{int(now * 1000)}", "job": spec.name, "trigger": "launch",
@@ -84,5 +140,5 @@ def decide(spec: JobSpec, policy: resume.Policy, *, quiet: bool) -> resume.Choic
         what = (f"resuming from snapshot {choice.snapshot.id}" if choice.action == "restore" and choice.snapshot
                 else "starting anew")
         sys.stderr.write(f"cryosleep: job {spec.name}: {what} ({'; '.join(choice.reasons)})\n")
-    return choice
+    return choice, claim
 

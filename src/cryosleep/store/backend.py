@@ -21,6 +21,7 @@ Errors (in the one tree of :mod:`cryosleep.errors`): ``ObjectNotFound`` (the nam
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import secrets
@@ -32,6 +33,7 @@ from typing import BinaryIO, Protocol
 
 from cryosleep.errors import (
     BackendError,
+    Conflict,
     IntegrityError,
     ObjectNotFound,
     UsageError,
@@ -80,6 +82,16 @@ class Backend(Protocol):
         ...
 
     def exists(self, name: str) -> bool: ...
+
+    def get_versioned(self, name: str) -> tuple[bytes, str] | None:
+        """The object's bytes and a version token for :meth:`put_if`, or None when it does not exist."""
+        ...
+
+    def put_if(self, name: str, data: bytes, version: str | None) -> str:
+        """Store ``data`` under ``name`` only if the object is still at ``version`` (None: only if there is none),
+        atomically against every other writer; the new version, else :class:`Conflict`. For small records that
+        several machines update (a job's claim), not for chunks."""
+        ...
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose name starts with ``prefix``, in no promised order."""
@@ -191,6 +203,33 @@ class LocalBackend:
 
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
+
+    def get_versioned(self, name: str) -> tuple[bytes, str] | None:
+        try:
+            data = self.get(name)
+        except ObjectNotFound:
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def put_if(self, name: str, data: bytes, version: str | None) -> str:
+        # One lock file per name under .tmp (outside listings); flock works across processes and on NFS v4.
+        lock = self._tmp / f"lock-{hashlib.sha256(name.encode()).hexdigest()[:32]}"
+        try:
+            self._tmp.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise self._error(f"cannot lock object {name}", e) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            now = self.get_versioned(name)
+            if (now[1] if now else None) != version:
+                raise Conflict(f"object {name} in {self.url} changed since it was read",
+                               "another writer updated it first" if now else "it was removed",
+                               "read it again and decide again")
+            self.put(name, data)
+            return hashlib.sha256(data).hexdigest()
+        finally:
+            os.close(fd)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         top = self.root

@@ -37,8 +37,9 @@ import urllib3
 from minio import Minio
 from minio.credentials.providers import IamAwsProvider, Provider, StaticProvider
 from minio.error import MinioException, S3Error
+from minio.helpers import DictType
 
-from cryosleep.errors import BackendError, IntegrityError, ObjectNotFound
+from cryosleep.errors import BackendError, Conflict, IntegrityError, ObjectNotFound
 from cryosleep.store.backend import ObjectInfo, check_name
 
 __all__ = ["S3Backend", "aws_settings"]
@@ -164,6 +165,9 @@ class S3Backend:
         return self._written(name, size)
 
     def get(self, name: str) -> bytes:
+        return self._get(name)[0]
+
+    def _get(self, name: str) -> tuple[bytes, str]:
         try:
             r = self._c.get_object(self.bucket, self._key(name))
             try:
@@ -183,7 +187,29 @@ class S3Backend:
             if md5 != etag:
                 raise IntegrityError(f"object {name} arrived altered from {self.url}", f"MD5 {md5}, ETag {etag}",
                                      "retry; if it persists the stored object is damaged")
-        return data
+        return data, etag
+
+    def get_versioned(self, name: str) -> tuple[bytes, str] | None:
+        try:
+            return self._get(name)
+        except ObjectNotFound:
+            return None
+
+    def put_if(self, name: str, data: bytes, version: str | None) -> str:
+        # S3's conditional writes (If-None-Match: * / If-Match: ETag; AWS since 2024, Ceph's RGW): minio-py's
+        # put_object takes no such header, so its single-PUT call is used with them (minio is pinned).
+        cond: DictType = {"If-None-Match": "*"} if version is None else {"If-Match": version}
+        try:
+            r = self._c._put_object(self.bucket, self._key(name), data, cond)
+        except S3Error as e:
+            if e.code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise Conflict(f"object {name} in {self.url} changed since it was read",
+                               "another writer updated it first" if version else "it exists already",
+                               "read it again and decide again") from None
+            raise self._error(f"cannot store object {name}", e) from e
+        except _TRANSIENT as e:
+            raise self._error(f"cannot store object {name}", e) from e
+        return str(r.etag or "").strip('"')
 
     def open(self, name: str) -> BinaryIO:
         return io.BufferedReader(_Stream(self, name), PART)
