@@ -142,9 +142,11 @@ def test_a_replacement_on_another_machine_waits_for_the_stop_snapshot_then_resum
                                                                                     tmp_path: Path) -> None:
     """A pod's replacement on another node starts while the old pod still runs (a Job's default replacement
     policy): it must not run the job beside it. Machine B has its own Cryosleep home and its own host name (a UTS
-    namespace of its own); the two share only the store."""
-    chunks = tmp_path / "chunks"
-    h.cli(*line("--store", str(chunks)))
+    namespace of its own); the two share only the store and the platform's signing key."""
+    chunks, hold = tmp_path / "chunks", tmp_path / "hold"
+    args = [*ARGS, "--hold", str(hold), "--hold-at", "12"]  # machine A's run waits at step 12 for its stop snapshot
+    h.env["CRYOSLEEP_SIGN_KEY"] = "5a" * 32
+    h.cli(*line("--store", str(chunks), args=args))
     h.wait_step("rs", 10)
     b_home = tmp_path / "b"
     (b_home / "home").mkdir(parents=True)
@@ -153,7 +155,7 @@ def test_a_replacement_on_another_machine_waits_for_the_stop_snapshot_then_resum
     with b_err.open("w") as err:
         b = subprocess.Popen(["unshare", "--uts", "sh", "-c", 'hostname machine-b && exec "$@"', "sh", sys.executable,
                               "-m", "cryosleep.cli.main", "run", "--name", "rs", "--nproc-per-node", "2", "--store",
-                              str(chunks), "--wait-previous", "240", str(SCRIPT), *ARGS],
+                              str(chunks), "--wait-previous", "240", str(SCRIPT), *args],
                              stdout=subprocess.DEVNULL, stderr=err, env=b_env)
     try:
         deadline = time.monotonic() + 120
@@ -164,13 +166,14 @@ def test_a_replacement_on_another_machine_waits_for_the_stop_snapshot_then_resum
         assert "resuming" not in b_err.read_text() and "starting anew" not in b_err.read_text()
         sid = h.snapshot("rs", "--stop")["snapshot"]  # machine A's node is drained: its stop snapshot
         assert h.wait_end("rs") == 75
+        hold.touch()
         assert b.wait(timeout=300) == 0, b_err.read_text()[-3000:]
     finally:
         if b.poll() is None:
             b.kill()
     said = b_err.read_text()
     assert f"resuming from snapshot {sid}" in said, said[-3000:]
-    assert_identical(h, "rs", SCRIPT, ARGS, [0, 1])
+    assert_identical(h, "rs", SCRIPT, args, [0, 1])
     rec = json.loads((chunks / "cas" / "jobs" / "rs.json").read_text())
     assert rec["state"] == "ended" and rec["host"] == "machine-b", rec
 
