@@ -95,10 +95,10 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, tmp: Path, nccl: bool = True, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, nccl: bool = True, env: dict[str, str] | None = None, script: str = WORKER) -> None:
         fake = tmp / "fake"
         _, cudart = build(fake)
-        (tmp / "worker.py").write_text(textwrap.dedent(WORKER))
+        (tmp / "worker.py").write_text(textwrap.dedent(script))
         (tmp / "devmem").mkdir()
         self.ctl = tmp / "rank-0.ctl"
         env = dict(os.environ, LD_PRELOAD=str(INTERCEPTOR), STANDIN_NCCL_LIB=str(STANDIN),
