@@ -225,6 +225,7 @@ int cuMemSetAccess(CUdeviceptr va, size_t size, const void* desc, size_t count) 
   }
   pthread_mutex_unlock(&vm_lock);
   cs_dm_leave(t);
+  cs_vmm_publish(); /* a handle without access is left to the driver: it may be moved now */
   return r;
 }
 
