@@ -28,7 +28,7 @@ MIB = 1 << 20
 
 SCRIPT = """
 import ctypes, hashlib, sys
-from ncclbind import Nccl
+from ncclbind import FLOAT64, SUM, Nccl, addr, buffer, zeros
 nccl = Nccl()
 comm = nccl.init(1, nccl.unique_id(), 0)
 ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)   # the process's "libcudart"
@@ -105,6 +105,11 @@ for line in sys.stdin:
         print("digest", digest(), flush=True)
     elif cmd[0] == "device":                      # physical memory the stand-in driver holds
         print("device", drv.fakecuda_device_bytes(), flush=True)
+    elif cmd[0] == "allreduce":                   # a collective: held at a closed NCCL gate, else done
+        src, dst = buffer(FLOAT64, [1.5, 2.5]), zeros(FLOAT64, 2)
+        nccl.check("ncclAllReduce", addr(src), addr(dst), 2, FLOAT64, SUM, comm, None, comm=comm)
+        nccl.stream_sync(None)
+        print("reduced", list(dst), flush=True)
     elif cmd[0] == "pins":
         print("pins", drv.fakecuda_pin_report().decode(), flush=True)
     elif cmd[0] == "write":                       # after RELOAD the access is granted again: writable
@@ -208,6 +213,8 @@ def test_the_arena_is_prefaulted_before_it_is_pinned(tmp_path: Path) -> None:
     cuMemHostRegister, the pages not yet in the page table. Without the prefault it sees them all."""
     with Worker(tmp_path / "a", script=SCRIPT) as w:
         assert w.driver.prepare([0], time.monotonic() + 30) == {}
+        # PREPARE is answered while the job runs and nothing follows it: it holds no NCCL call
+        assert w.ask("allreduce") == "reduced [1.5, 2.5]"
         dm, got = w.block.devmem, pins(w)
         assert got["faulted"] == 0 and got["bytes"] == 64 * MIB, got
         assert dm.arena_how & ARENA_PREFAULTED and dm.arena_pins == 1 and dm.arena_piece == 64 * MIB
