@@ -50,6 +50,31 @@ def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, tmp_path: Pat
     identical(h, name, args, 2)
 
 
+def test_fast_path_moves_pytorchs_expandable_segments(h: Harness, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch's expandable segments map their memory through the driver's VMM calls themselves (cuMemCreate,
+    cuMemMap): the fast path moves that memory too (vmm.c, virtual handles), on every rank, and the job continues
+    bit-identically after keep-running and stop + restore snapshots. (Prepared on the CPU stand-in; not yet run
+    on a GPU.)"""
+    for set_env in (lambda k, v: monkeypatch.setitem(h.env, k, v), monkeypatch.setenv):  # the job's, the reference's
+        set_env("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    linger = tmp_path / "linger"
+    args = ["--steps", "300", "--step-sleep", "0.05", "--linger", str(linger)]
+    h.run("expand", WORKLOAD, args, nproc=2, flags=("--fast-path",))
+    h.wait_step("expand", 10)
+    s = h.snapshot("expand")
+    fast = h.cli_json("show", s["snapshot"])["nodes"][0]["gpu"]["fast_path"]
+    assert fast["plain"] == {} and sorted(fast["ranks"]) == ["0", "1"], fast
+    assert all(e["plan"]["mapped"]["bytes"] > 0 for e in fast["ranks"].values()), fast  # the segments were moved
+    h.wait_step("expand", 20)
+    stop = h.snapshot("expand", "--stop")
+    assert "offload" in stop["phases"] and h.wait_end("expand") == 75
+    h.restore(stop["snapshot"])
+    linger.touch()
+    assert h.wait_end("expand") == 0
+    identical(h, "expand", args, 2)
+
+
 def test_fast_path_holds_a_thread_that_wakes_and_submits_through_cublas(h: Harness, tmp_path: Path) -> None:
     """A thread outside the training loop wakes every 20 ms and multiplies matrices through cuBLAS (the driver API)
     on its own stream: while the fast path has the device memory out, its launches wait at the driver gate and

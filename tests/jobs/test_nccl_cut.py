@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -320,7 +321,9 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     """The fast path with real CRIU: the workers' "device memory" (tests/native/fakecuda over host memory:
     CI has no GPU; the workload reaches it only through launches and copies, as on a GPU) is offloaded into
     the staging files, released, reloaded after the dump (keep-running) or restored from the image (stop +
-    restore), and the job's digests equal an uninterrupted run's."""
+    restore), and the job's digests equal an uninterrupted run's. Its memory is of every kind a job has:
+    cudaMalloc served by the interceptor, a small one (from a slab chunk) and a segment the workload maps itself
+    (all moved), and cudaMallocAsync (left to the driver, with why in `check --job` and the manifest)."""
     from tests.native.fakecuda.build import build
 
     _, cudart = build(tmp_path / "fake")
@@ -335,14 +338,27 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     h.run("fast", script, args, flags=("--fast-path",))
     h.wait_step("fast", 3)
     check = h.cli_json("check", "--job", "fast")
-    assert sum(c["name"] == "fast path" and c["ok"] and "2 MiB of device memory" in c["detail"]
-               for c in check["checks"]) == 2, check  # both ranks
+    moved = ("moves 6 MiB itself (4 MiB it serves for cudaMalloc in 2 VMM allocation(s), 1 cudaMalloc under 1 MiB "
+             "held in shared 2 MiB chunks; 2 MiB in 2 handle(s) the application mapped")
+    assert sum(c["name"] == "fast path" and c["ok"] and moved in c["detail"]
+               for c in check["checks"]) == 2, check  # both ranks: what each snapshot would take
+    left = [c["detail"] for c in check["checks"] if c["name"] == "fast path: left to the driver"]
+    assert len(left) == 2 and all("in 1 cudaMallocAsync allocation(s)" in d for d in left), check
+    assert {r: (p["moved_bytes"], [x["kind"] for x in p["left"]]) for r, p in check["fast_path"].items()} == {
+        r: (6 << 20, ["cudaMallocAsync"]) for r in ("0", "1")}, check["fast_path"]
     # the staging files are made while the job runs, before any snapshot asks for them
     end = time.monotonic() + 30
-    while "staging files prepared ahead for rank(s) [0, 1]" not in h.job("fast").agent_log.read_text():
+
+    def prepared() -> set[int]:  # both at once, or each rank as its memory appeared
+        log = h.job("fast").agent_log.read_text()
+        lines = re.findall(r"staging files prepared ahead for rank\(s\) \[([\d, ]+)\]", log)
+        return {int(r) for line in lines for r in line.split(",")}
+
+    while prepared() != {0, 1}:
         assert time.monotonic() < end, h.job("fast").agent_log.read_text()[-2000:]
         time.sleep(0.1)
     assert len(list(h.job("fast").devmem.glob("*.devmem"))) == 2
+    h.wait_step("fast", min(39, int(h.losses("fast")[-1].split()[0]) + 2))  # a PREPARE ahead holds no NCCL call
     keep = h.snapshot("fast")
     order = [p for p in keep["phases"] if p in ("prepare", "drain", "quiesce", "offload")]
     assert order == ["prepare", "drain", "quiesce", "offload"], keep["phases"]
@@ -354,7 +370,11 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     for entry in fast["ranks"].values():
         pieces = entry["pieces"]
         assert len(pieces) >= 2 and [x["offset"] for x in pieces] == [i << 20 for i in range(len(pieces))], pieces
-        assert sum((node / x["image"]).stat().st_size for x in pieces) == entry["bytes"] >= 2 << 20
+        assert sum((node / x["image"]).stat().st_size for x in pieces) == entry["bytes"] >= 6 << 20
+        plan = entry["plan"]  # what the manifest records: moved, left to the driver and why, the arena
+        assert plan["mapped"] == {"bytes": 2 << 20, "count": 2} and plan["arena"]["prefaulted"], plan
+        assert plan["served"] == {"bytes": 4 << 20, "count": 2, "small": 1}, plan
+        assert [(x["kind"], x["count"]) for x in plan["left"]] == [("cudaMallocAsync", 1)] and plan["left"][0]["why"]
         assert entry["stage_path"].startswith("/dev/shm/")
         assert entry["stage_path"] not in {f["path"] for f in shown["nodes"][0]["staged"]}  # not copied in the freeze
     h.wait_step("fast", 10)

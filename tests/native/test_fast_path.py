@@ -13,6 +13,7 @@ import queue
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -94,11 +95,22 @@ for line in sys.stdin:
 """
 
 
+_BUILT: list[tuple[Path, Path]] = []
+
+
+def built_once() -> tuple[Path, Path]:
+    """The CUDA stand-ins, compiled once per test session (every worker of it loads the same two files)."""
+    if not _BUILT:
+        _BUILT.append(build(Path(tempfile.mkdtemp(prefix="cryosleep-fakecuda-"))))
+    return _BUILT[0]
+
+
 class Worker:
-    def __init__(self, tmp: Path, nccl: bool = True, env: dict[str, str] | None = None) -> None:
-        fake = tmp / "fake"
-        _, cudart = build(fake)
-        (tmp / "worker.py").write_text(textwrap.dedent(WORKER))
+    def __init__(self, tmp: Path, nccl: bool = True, env: dict[str, str] | None = None, script: str = WORKER) -> None:
+        cuda, cudart = built_once()
+        fake = cuda.parent
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "worker.py").write_text(textwrap.dedent(script))
         (tmp / "devmem").mkdir()
         self.ctl = tmp / "rank-0.ctl"
         env = dict(os.environ, LD_PRELOAD=str(INTERCEPTOR), STANDIN_NCCL_LIB=str(STANDIN),

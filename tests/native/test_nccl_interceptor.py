@@ -54,7 +54,8 @@ def test_exports_only_the_nccl_api_and_the_cuda_runtime_calls_it_wraps() -> None
     assert "ncclAllReduce" in names and "ncclCommInitRank" in names and "ncclGroupStart" in names
     others = sorted(s for s in syms[2::3] if not s.startswith("nccl"))
     # cudaipc.c counts the IPC calls; devmem.c serves device memory and gates the work-issuing runtime calls;
-    # drvgate.c gates the driver's submission calls (dlsym, cuGetProcAddress and the calls themselves)
+    # drvgate.c gates the driver's submission calls (dlsym, cuGetProcAddress and the calls themselves); vmm.c
+    # tracks the memory the application maps itself and counts cudaMallocAsync
     spec = importlib.util.spec_from_file_location("gen_wrappers", ROOT / "native/nccl/interceptor/gen_wrappers.py")
     assert spec and spec.loader
     gen = importlib.util.module_from_spec(spec)
@@ -63,7 +64,8 @@ def test_exports_only_the_nccl_api_and_the_cuda_runtime_calls_it_wraps() -> None
     assert others == sorted(["cudaIpcCloseMemHandle", "cudaIpcOpenMemHandle", "cudaMalloc", "cudaFree",
                              "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpy", "cudaMemcpyAsync",
                              "cudaMemcpy2DAsync", "cudaMemset", "cudaMemsetAsync", "cudaGraphLaunch", "dlsym",
-                             "cuGetProcAddress", "cuGetProcAddress_v2", *gen.DRIVER_EXPORTS])
+                             "cuGetProcAddress", "cuGetProcAddress_v2", "cudaMallocAsync",
+                             "cudaMallocFromPoolAsync", "cudaFreeAsync", *gen.DRIVER_EXPORTS, *gen.VMM_EXPORTS])
 
 
 @pytest.mark.parametrize("case", ["others", "split", "allreduce"])

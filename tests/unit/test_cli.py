@@ -30,6 +30,18 @@ def test_torchrun_style_options_and_script_args(tmp_path: Path) -> None:
     assert m.program[1:] == ["-u", "-m", "pkg.train"]
 
 
+def test_fast_path_flags(tmp_path: Path) -> None:
+    """--fast-path / --no-fast-path (the plain path, kept once the fast path is the default for GPU jobs); neither:
+    the plain path today (core/job.py, FAST_PATH_DEFAULT_FOR_GPU); both at once: refused."""
+    script = tmp_path / "t.py"
+    script.write_text("")
+    assert spec_of("--fast-path", str(script)).fast_path is True
+    assert spec_of("--no-fast-path", str(script)).fast_path is False
+    assert spec_of(str(script)).fast_path is False
+    with pytest.raises((UsageError, SystemExit)):
+        spec_of("--fast-path", "--no-fast-path", str(script))
+
+
 def test_bad_run_input(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no such script"):
         spec_of(str(tmp_path / "missing.py"))

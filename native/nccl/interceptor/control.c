@@ -397,6 +397,7 @@ static void* cs_control_main(void* arg) {
       }
       cs_publish_settled();
     }
+    if ((uint32_t)w == CS_CMD_RUN) cs_dm_early(); /* CRYOSLEEP_ARENA_BYTES: the arena made once, ahead */
     nap_us((uint32_t)w == CS_CMD_RUN ? 5000 : 1000);
   }
   return NULL;

@@ -130,6 +130,41 @@ int cs_dm_offload(char* err, size_t n);
 int cs_dm_reload(char* err, size_t n);
 int cs_dm_offloaded(void);
 void cs_dm_publish(void);
+int cs_dm_ctx(int device);
+int cs_dm_sync(int device);
+int cs_dm_copy(uint64_t va, size_t off, size_t len, int out);
+void cs_dm_touch(void);
+int cs_dm_serve(size_t size, uint64_t* va, int slab);
+
+/* slab.c: cudaMalloc under 1 MiB served from chunks that cs_dm_serve made (moved with the rest) */
+void* cs_slab_malloc(size_t n, int device);
+int cs_slab_owns(void* p);
+int cs_slab_free(void* p);
+void cs_dm_early(void);
+
+/* vmm.c: memory the application maps itself (cuMemCreate/cuMemMap), and what is left to the driver */
+void* cs_vmm_wrap(const char* base, void* real);
+size_t cs_vmm_movable(void);
+int cs_vmm_device(void);
+void cs_vmm_publish(void);
+int cs_vmm_copy_out(size_t* off);
+int cs_vmm_release(void);
+int cs_vmm_reload(char* err, size_t n);
+void cs_left_add(void* p, size_t n, int kind); /* kind 0: cudaMallocAsync, 1: cudaMalloc under 1 MiB */
+void cs_left_remove(void* p);
+void cs_left_publish(void);
+
+/* threads.c: which threads ran (OFFLOAD copies only while the others are idle) */
+#define CS_THREADS 1024
+struct cs_thr {
+  int tid;
+  int runnable;
+  unsigned long long ns;
+};
+int cs_thr_sample(struct cs_thr* out, int self);
+int cs_thr_ran(const struct cs_thr* before, int nb, const struct cs_thr* after, int na, long long* ran_ns);
+void cs_thr_desc(int tid, long long ran_ns, const char* when, char* out, size_t n);
+int cs_thr_wait_quiet(struct cs_thr* a, int* na, struct cs_thr* b, int self, char* err, size_t n);
 
 /* control.c */
 void cs_fence_all(void);

@@ -54,6 +54,24 @@ enum cs_flag {
   CS_F_CUDA_IPC = 1u << 9        /* another process's GPU memory is open here (cudaIpcOpenMemHandle) */
 };
 
+/* Why device memory is left to the driver's checkpoint rather than moved by the fast path (left_flags). */
+enum cs_left {
+  CS_LEFT_EXPORTED = 1u << 0, /* a cuMemCreate handle exported to another process (cuMemExportToShareableHandle) */
+  CS_LEFT_PARTIAL = 1u << 1,  /* a cuMemCreate handle not mapped whole at offset 0 */
+  CS_LEFT_UNMAPPED = 1u << 2, /* a cuMemCreate handle not mapped at all */
+  CS_LEFT_FOREIGN = 1u << 3,  /* a mapping of a handle created elsewhere (imported from another process) */
+  CS_LEFT_POOL = 1u << 4,     /* cudaMallocAsync: the driver's pool owns those addresses */
+  CS_LEFT_SMALL = 1u << 5,    /* cudaMalloc under 1 MiB (served by cudaMalloc: the slab off or full) */
+  CS_LEFT_NO_ACCESS = 1u << 6 /* a cuMemCreate handle mapped whole, but no access granted on it (cuMemSetAccess) */
+};
+
+/* How the staging arena was made (arena_how). */
+enum cs_arena {
+  CS_ARENA_PREFAULTED = 1u << 0, /* faulted in (MADV_POPULATE_WRITE) before pinning, outside the driver's lock */
+  CS_ARENA_HUGE = 1u << 1,       /* madvise(MADV_HUGEPAGE) on it, with tmpfs huge pages enabled (shmem_enabled) */
+  CS_ARENA_EARLY = 1u << 2       /* made by the control thread at the first served allocation, ahead of any snapshot */
+};
+
 /* Per-communicator flags (slot.flags, I). */
 enum cs_comm_flag { CS_CF_NONBLOCKING = 1u << 0, CS_CF_REGISTERED = 1u << 1, CS_CF_PEERS_CAPPED = 1u << 2 };
 
@@ -121,7 +139,21 @@ struct cs_ctl {                 /* the header: CS_HEADER_SIZE bytes, then the sl
   uint32_t offloaded;           /* I  1 between OFFLOAD and RELOAD: the device memory lives in the staging file */
   uint64_t offload_ns;          /* I  the last OFFLOAD's copy, ns */
   uint64_t reload_ns;           /* I  the last RELOAD's, ns */
-  uint8_t reserved1[88];
+  uint64_t vmm_bytes;           /* I  memory the application mapped itself (cuMemCreate) that the fast path moves */
+  uint32_t vmm_count;           /* I  in that many handles */
+  uint32_t left_flags;          /* I  cs_left: why some device memory is left to the driver's checkpoint */
+  uint64_t left_vmm_bytes;      /* I  application-mapped memory left to the driver (exported, imported, ...) */
+  uint32_t left_vmm_count;      /* I */
+  uint32_t async_count;         /* I  cudaMallocAsync allocations live (left to the driver) */
+  uint64_t async_bytes;         /* I */
+  uint64_t small_bytes;         /* I  cudaMalloc under 1 MiB live (left to the driver) */
+  uint32_t small_count;         /* I */
+  uint32_t arena_how;           /* I  cs_arena: how the staging arena was made and pinned */
+  uint64_t arena_prefault_ns;   /* I  faulting the arena in before pinning, ns (all PREPAREs) */
+  uint64_t arena_pin_ns;        /* I  cuMemHostRegister of it, ns (all PREPAREs) */
+  uint64_t arena_piece;         /* I  the pinned pieces' size */
+  uint32_t arena_pins;          /* I  cuMemHostRegister calls made */
+  uint32_t slab_count;          /* I  cudaMalloc under 1 MiB served from the slab's chunks (moved), live */
   char error[256];              /* I  NUL-terminated: why the last command failed */
   char stage_path[256];         /* I  the staging file (NUL-terminated), once PREPARE made it */
   uint8_t reserved2[CS_HEADER_SIZE - 768];
@@ -139,6 +171,10 @@ _Static_assert(offsetof(struct cs_ctl, comms_live) == 100 && offsetof(struct cs_
 _Static_assert(offsetof(struct cs_ctl, devmem_on) == 116 && offsetof(struct cs_ctl, devmem_bytes) == 120 &&
                offsetof(struct cs_ctl, offloaded) == 148 && offsetof(struct cs_ctl, reload_ns) == 160 &&
                offsetof(struct cs_ctl, stage_path) == 512, "devmem");
+_Static_assert(offsetof(struct cs_ctl, vmm_bytes) == 168 && offsetof(struct cs_ctl, left_flags) == 180 &&
+               offsetof(struct cs_ctl, async_bytes) == 200 && offsetof(struct cs_ctl, small_count) == 216 &&
+               offsetof(struct cs_ctl, arena_how) == 220 && offsetof(struct cs_ctl, arena_pins) == 248 && offsetof(struct cs_ctl, slab_count) == 252 &&
+               offsetof(struct cs_ctl, error) == 256, "devmem2");
 _Static_assert(offsetof(struct cs_ctl_comm, seq) == 48 && offsetof(struct cs_ctl_comm, uid_gen) == 64, "slot");
 _Static_assert(offsetof(struct cs_ctl_comm, waiting) == 68 && offsetof(struct cs_ctl_comm, waiting_peer) == 76, "w");
 _Static_assert(offsetof(struct cs_ctl_comm, uid) == 128 && offsetof(struct cs_ctl_comm, send) == 512, "slot2");

@@ -95,6 +95,7 @@ struct cs_dm {
   size_t size; /* rounded up to the granularity */
   CUmemHandle handle;
   int device;
+  int slab;         /* a chunk of slab.c's: its allocations are freed there, not here */
   size_t stage_off; /* where OFFLOAD put it in the staging file */
 };
 
@@ -163,15 +164,22 @@ static void dm_failed(const char* call, CUresult rc) {
                       "stays with cudaMalloc (the driver's slower checkpoint copies it)", call, rc);
 }
 
-/* Reserve, create, map, grant access. 0 on success; on failure nothing is left behind. */
-static int dm_map_new(struct cs_dm* d, size_t want) {
+/* The calling thread's device (its context made current by the runtime if it has none yet). */
+static int dm_current_device(int* device) {
   void* ctx = NULL;
   CUresult rc;
   if (cu.ctx_current(&ctx) != 0 || !ctx) {
     cu.rt_free(NULL); /* the runtime makes its primary context current */
     if ((rc = cu.ctx_current(&ctx)) != 0 || !ctx) return dm_failed("cuCtxGetCurrent", rc), -1;
   }
-  if ((rc = cu.ctx_device(&d->device)) != 0) return dm_failed("cuCtxGetDevice", rc), -1;
+  if ((rc = cu.ctx_device(device)) != 0) return dm_failed("cuCtxGetDevice", rc), -1;
+  return 0;
+}
+
+/* Reserve, create, map, grant access. 0 on success; on failure nothing is left behind. */
+static int dm_map_new(struct cs_dm* d, size_t want) {
+  CUresult rc;
+  if (dm_current_device(&d->device) != 0) return -1;
   struct cu_prop prop = {.type = 1, .location = {1, d->device}};
   size_t gran = 0;
   if ((rc = cu.granularity(&gran, &prop, 1)) != 0 || !gran) return dm_failed("cuMemGetAllocationGranularity", rc), -1;
@@ -318,10 +326,18 @@ void cs_dm_publish(void) {
   __atomic_store_n(&cs_ctl->stage_bytes, (uint64_t)dm_stage, __ATOMIC_RELAXED);
   __atomic_store_n(&cs_ctl->offloaded, (uint32_t)dm_out, __ATOMIC_RELAXED);
   pthread_mutex_unlock(&dm_lock);
+  cs_left_publish();
   if (dm_stage) dm_stage_path(cs_ctl->stage_path, sizeof cs_ctl->stage_path);
 }
 
 static cudaError_t dm_malloc(void** ptr, size_t size);
+
+/* For memory the application maps itself (vmm.c): the fast path loaded and the control block published, as at
+ * a first served cudaMalloc. */
+void cs_dm_touch(void) {
+  if (!cu.ready) dm_load();
+  if (cu.ready == 1 && __atomic_load_n(&cs_cmdp, __ATOMIC_ACQUIRE) == &cs_uninit_word) cs_init();
+}
 static cudaError_t dm_free(void* ptr);
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
@@ -341,9 +357,33 @@ cudaError_t cudaFree(void* ptr) {
 static cudaError_t dm_malloc(void** ptr, size_t size) {
   if (!cu.ready) dm_load();
   if (!cu.rt_malloc) return CUDA_ERROR_INITIALIZATION;
-  if (cu.ready < 0 || size < CS_DEVMEM_MIN || !ptr) return cu.rt_malloc(ptr, size);
+  if (cu.ready < 0 || !ptr) return cu.rt_malloc(ptr, size);
+  if (size < CS_DEVMEM_MIN) { /* from a slab of served chunks (slab.c); else left to the driver, counted */
+    int dev = -1;
+    void* p = dm_current_device(&dev) == 0 ? cs_slab_malloc(size, dev) : NULL;
+    if (p) {
+      *ptr = p;
+      return 0;
+    }
+    cudaError_t r = cu.rt_malloc(ptr, size);
+    if (r == 0) cs_left_add(*ptr, size, 1);
+    return r;
+  }
+  uint64_t va = 0;
+  if (cs_dm_serve(size, &va, 0) != 0) return cu.rt_malloc(ptr, size); /* its own error, out of memory included */
+  static int said;
+  if (!said++) cs_log("devmem: cudaMalloc of %zu bytes and more is served with the VMM API (fast path)",
+                      (size_t)CS_DEVMEM_MIN);
+  *ptr = (void*)(uintptr_t)va;
+  return 0;
+}
+
+/* One VMM allocation of at least `size` bytes on the current device, registered for the capture (slab: a chunk
+ * of slab.c's). 0, or -1 with nothing left behind. */
+int cs_dm_serve(size_t size, uint64_t* va, int slab) {
   struct cs_dm d = {0};
-  if (dm_map_new(&d, size) != 0) return cu.rt_malloc(ptr, size); /* its own error, out of memory included */
+  if (dm_map_new(&d, size) != 0) return -1;
+  d.slab = slab;
   pthread_mutex_lock(&dm_lock);
   if (dm_n == dm_cap) {
     size_t cap = dm_cap ? dm_cap * 2 : 256;
@@ -353,7 +393,7 @@ static cudaError_t dm_malloc(void** ptr, size_t size) {
       cu.unmap(d.va, d.size);
       cu.release(d.handle);
       cu.addr_free(d.va, d.size);
-      return cu.rt_malloc(ptr, size);
+      return -1;
     }
     dm = grown;
     dm_cap = cap;
@@ -361,13 +401,10 @@ static cudaError_t dm_malloc(void** ptr, size_t size) {
   dm[dm_n++] = d;
   dm_bytes += d.size;
   dm_publish_locked();
-  static int said;
-  if (!said++) cs_log("devmem: cudaMalloc of %zu bytes and more is served with the VMM API (fast path)",
-                      (size_t)CS_DEVMEM_MIN);
   pthread_mutex_unlock(&dm_lock);
   /* a worker that never calls NCCL (one rank) still needs its control block for the fast path's commands */
   if (__atomic_load_n(&cs_cmdp, __ATOMIC_ACQUIRE) == &cs_uninit_word) cs_init();
-  *ptr = (void*)(uintptr_t)d.va;
+  *va = d.va;
   return 0;
 }
 
@@ -375,10 +412,14 @@ static cudaError_t dm_free(void* ptr) {
   if (!cu.ready) dm_load();
   if (!cu.rt_free) return CUDA_ERROR_INITIALIZATION;
   if (cu.ready < 0 || !ptr) return cu.rt_free(ptr);
+  if (cs_slab_owns(ptr)) { /* a small allocation: its slot is free once the device is done with it */
+    cu.ctx_sync();
+    return cs_slab_free(ptr) == 0 ? 0 : 1 /* cudaErrorInvalidValue */;
+  }
   struct cs_dm d = {0};
   pthread_mutex_lock(&dm_lock);
   for (size_t i = 0; i < dm_n; i++) {
-    if (dm[i].va == (CUdeviceptr)(uintptr_t)ptr) {
+    if (dm[i].va == (CUdeviceptr)(uintptr_t)ptr && !dm[i].slab) {
       d = dm[i];
       dm[i] = dm[--dm_n];
       dm_bytes -= d.size;
@@ -387,7 +428,11 @@ static cudaError_t dm_free(void* ptr) {
     }
   }
   pthread_mutex_unlock(&dm_lock);
-  if (!d.va) return cu.rt_free(ptr);
+  if (!d.va) {
+    cudaError_t r = cu.rt_free(ptr);
+    if (r == 0) cs_left_remove(ptr);
+    return r;
+  }
   cu.ctx_sync(); /* cudaFree waits for the device before memory goes away */
   int bad = cu.unmap(d.va, d.size) != 0;
   bad |= cu.release(d.handle) != 0;
@@ -405,12 +450,15 @@ static uint64_t dm_now_ns(void) {
 }
 
 /* The device's primary context current on this thread (the control thread has none of its own). */
-static int dm_ctx(int device) {
+int cs_dm_ctx(int device) {
   static void* ctx[64];
   if (device < 0 || device >= 64) return -1;
   if (!ctx[device] && cu.primary(&ctx[device], device) != 0) return -1;
   return cu.ctx_set(ctx[device]) == 0 ? 0 : -1;
 }
+
+/* The device's queued work done (its primary context current on this thread). */
+int cs_dm_sync(int device) { return cs_dm_ctx(device) != 0 ? -1 : cu.ctx_sync(); }
 
 static int dm_stage_path(char* out, size_t n) {
   const char* dir = getenv("CRYOSLEEP_DEVMEM_DIR");
@@ -443,14 +491,35 @@ static CUresult dm_pin(char* p, size_t len, size_t* piece_out) {
   return r;
 }
 
-int cs_dm_prepare(char* err, size_t n) {
-  if (cu.ready != 1) return snprintf(err, n, "PREPARE: the fast path is off (CRYOSLEEP_DEVMEM=1 not set, or "
-                                     "libcuda lacks the VMM calls)"), -1;
-  pthread_mutex_lock(&dm_lock);
-  size_t want = dm_bytes, first_dev = dm_n ? (size_t)dm[0].device : 0;
-  pthread_mutex_unlock(&dm_lock);
+/* Tmpfs huge pages are on for an madvise()d mapping (shmem_enabled "always", "within_size", "advise" or "force"). */
+static int dm_huge_ok(void) {
+  const char* e = getenv("CRYOSLEEP_ARENA_HUGE");
+  if (e && strcmp(e, "0") == 0) return 0;
+  char buf[128] = "";
+  FILE* f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "re");
+  if (!f) return 0;
+  size_t k = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[k] = 0;
+  return strstr(buf, "[always]") || strstr(buf, "[within_size]") || strstr(buf, "[advise]") || strstr(buf, "[force]");
+}
+
+/* Faults [p, p + len) in, writable, before the pinning: the page faults then happen here, outside the driver's
+ * lock, rather than inside cuMemHostRegister (which would hold the process's other CUDA calls meanwhile). */
+static int dm_prefault(char* p, size_t len) {
+  const char* e = getenv("CRYOSLEEP_ARENA_PREFAULT");
+  if (e && strcmp(e, "0") == 0) return 0;
+  if (madvise(p, len, 23 /* MADV_POPULATE_WRITE, Linux 5.14 */) == 0) return 1;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  for (size_t o = 0; o < len; o += page) ((volatile char*)p)[o] = ((volatile char*)p)[o];
+  return 1;
+}
+
+/* The staging arena grown to hold `want` bytes (+1/8, in 64 MiB steps): fallocated on tmpfs, mapped MAP_SHARED,
+ * huge pages advised where tmpfs has them, faulted in, then pinned once for the device's context. */
+static int dm_arena_grow(size_t want, int dev, uint32_t how, char* err, size_t n) {
   if (want <= dm_stage) return 0;
-  size_t grow = want + want / 8;         /* room for the allocator to grow a little before the next one */
+  size_t grow = want + want / 8; /* room for the allocator to grow a little before the next one */
   grow = (grow + (64u << 20) - 1) & ~(size_t)((64u << 20) - 1);
   char path[256];
   if (dm_stage_path(path, sizeof path) != 0)
@@ -463,25 +532,70 @@ int cs_dm_prepare(char* err, size_t n) {
   if (p == MAP_FAILED && !rc) rc = errno;
   close(fd);
   if (rc) return snprintf(err, n, "PREPARE: staging %zu bytes in %s: %s", grow, path, strerror(rc)), -1;
+  size_t len = grow - dm_stage;
+  if (dm_huge_ok() && madvise(p, len, MADV_HUGEPAGE) == 0) how |= CS_ARENA_HUGE;
+  uint64_t t0 = dm_now_ns();
+  if (dm_prefault(p, len)) how |= CS_ARENA_PREFAULTED;
+  uint64_t t1 = dm_now_ns();
   /* pinned for the worker's device only: bench/vmm_probe.py measured the checkpoint so (docs/benchmarks.md) */
   size_t piece = 0;
-  CUresult cr = dm_ctx((int)first_dev) != 0 ? -1 : dm_pin(p, grow - dm_stage, &piece);
+  CUresult cr = cs_dm_ctx(dev) != 0 ? -1 : dm_pin(p, len, &piece);
+  uint64_t t2 = dm_now_ns();
   if (cr != 0) {
-    munmap(p, grow - dm_stage);
-    return snprintf(err, n, "PREPARE: pinning %zu bytes of %s failed (CUDA error %d)", grow - dm_stage, path, cr), -1;
+    munmap(p, len);
+    return snprintf(err, n, "PREPARE: pinning %zu bytes of %s failed (CUDA error %d)", len, path, cr), -1;
   }
-  dm_seg[dm_nseg++] = (struct cs_seg){p, dm_stage, grow - dm_stage, piece};
+  dm_seg[dm_nseg++] = (struct cs_seg){p, dm_stage, len, piece};
   dm_stage = grow;
   if (cs_ctl) {
     snprintf(cs_ctl->stage_path, sizeof cs_ctl->stage_path, "%s", path);
+    /* how the last growth was made (a first PREPARE's, unless it grew since), times summed over all */
+    __atomic_store_n(&cs_ctl->arena_how, how, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&cs_ctl->arena_prefault_ns, t1 - t0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&cs_ctl->arena_pin_ns, t2 - t1, __ATOMIC_RELAXED);
+    __atomic_store_n(&cs_ctl->arena_piece, (uint64_t)piece, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&cs_ctl->arena_pins, (uint32_t)((len + piece - 1) / piece), __ATOMIC_RELAXED);
     __atomic_store_n(&cs_ctl->stage_bytes, (uint64_t)dm_stage, __ATOMIC_RELEASE);
   }
   return 0;
 }
 
+static size_t dm_want(int* dev) {
+  pthread_mutex_lock(&dm_lock);
+  size_t want = dm_bytes + cs_vmm_movable();
+  *dev = dm_n ? dm[0].device : cs_vmm_device();
+  pthread_mutex_unlock(&dm_lock);
+  return want;
+}
+
+int cs_dm_prepare(char* err, size_t n) {
+  if (!cu.ready) dm_load();
+  if (cu.ready != 1) return snprintf(err, n, "PREPARE: the fast path is off (CRYOSLEEP_DEVMEM=1 not set, or "
+                                     "libcuda lacks the VMM calls)"), -1;
+  int dev = 0;
+  size_t want = dm_want(&dev);
+  return dm_arena_grow(want, dev, 0, err, n);
+}
+
+/* CRYOSLEEP_ARENA_BYTES=N: the control thread makes the arena (at least N bytes) once, as soon as the process
+ * has device memory served (its device known), ahead of any snapshot. Called from the control thread's loop. */
+void cs_dm_early(void) {
+  static int done;
+  if (done || cu.ready != 1) return;
+  const char* e = getenv("CRYOSLEEP_ARENA_BYTES");
+  if (!e || !*e) return;
+  int dev = 0;
+  size_t want = dm_want(&dev), floor = (size_t)strtoull(e, NULL, 10);
+  if (!want) return; /* nothing served yet: the device is not known */
+  done = 1;
+  char why[256];
+  int r = dm_arena_grow(want > floor ? want : floor, dev, CS_ARENA_EARLY, why, sizeof why);
+  if (r) cs_log("devmem: the early staging arena: %s (a snapshot prepares it instead)", why);
+}
+
 /* Copies [off, off + len) of the staging file from (out) or to (in) device address va, one copy per pinned
  * piece it touches. */
-static CUresult dm_copy(CUdeviceptr va, size_t off, size_t len, int out) {
+int cs_dm_copy(uint64_t va, size_t off, size_t len, int out) {
   for (int i = 0; i < dm_nseg && len; i++) {
     struct cs_seg* g = &dm_seg[i];
     while (len && off < g->off + g->size) {
@@ -498,135 +612,10 @@ static CUresult dm_copy(CUdeviceptr va, size_t off, size_t len, int out) {
   return len ? -1 : 0;
 }
 
-/* ---- which threads ran: each thread's CPU clock (exact, unlike /proc's tick-updated counters) and
- * whether it is runnable right now ('R' in /proc/self/task/<tid>/stat) ---- */
-#define DM_THREADS 1024
-struct dm_thr {
-  int tid;
-  int runnable;
-  unsigned long long ns;
-};
-
-static int dm_exempt(int tid, int self) {
-  if (tid == self || cs_is_held_tid(tid)) return 1;
-  char path[64], name[32] = "";
-  snprintf(path, sizeof path, "/proc/self/task/%d/comm", tid);
-  FILE* f = fopen(path, "re");
-  if (f) {
-    if (!fgets(name, sizeof name, f)) name[0] = 0;
-    name[strcspn(name, "\n")] = 0;
-    fclose(f);
-  }
-  /* the CUDA driver's own threads, PyTorch's NCCL watchdog and heartbeat (they only poll events), and NCCL's
-   * RAS thread (it outlives the communicators, which quiesce destroyed, and waits in poll with a timeout; a
-   * monitoring thread that submits no GPU work: on an H200 it ran during each of three 24 GiB copies). NCCL
-   * names its threads when NCCL_SET_THREAD_NAME=1, which `cryosleep run --fast-path` sets. */
-  return strncmp(name, "cuda", 4) == 0 || strncmp(name, "pt_nccl_", 8) == 0 || strcmp(name, "NCCL RAS") == 0;
-}
-
-static int dm_runnable(int tid) {
-  char path[64], buf[512];
-  snprintf(path, sizeof path, "/proc/self/task/%d/stat", tid);
-  FILE* f = fopen(path, "re");
-  if (!f) return 0;
-  size_t k = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[k] = 0;
-  const char* close_paren = strrchr(buf, ')'); /* the state follows the name, which may hold anything */
-  return close_paren && close_paren[1] == ' ' && close_paren[2] == 'R';
-}
-
-static int dm_sample(struct dm_thr* out, int self) {
-  int n = 0;
-  DIR* d = opendir("/proc/self/task");
-  if (!d) return -1;
-  struct dirent* e;
-  while ((e = readdir(d)) && n < DM_THREADS) {
-    int tid = atoi(e->d_name);
-    if (tid <= 0 || dm_exempt(tid, self)) continue;
-    struct timespec ts;
-    clockid_t clk = (clockid_t)((~(unsigned)tid << 3) | 6); /* the thread's CPU clock (CPUCLOCK_SCHED, per thread) */
-    if (clock_gettime(clk, &ts) != 0) continue;                /* gone */
-    out[n++] = (struct dm_thr){tid, dm_runnable(tid), (unsigned long long)ts.tv_sec * 1000000000ull +
-                                                          (unsigned long long)ts.tv_nsec};
-  }
-  closedir(d);
-  return n;
-}
-
-/* A thread of `after` that ran since `before` (or is new), or 0; `*ran_ns` its CPU time in between (-1: new). */
-static int dm_ran(const struct dm_thr* before, int nb, const struct dm_thr* after, int na, long long* ran_ns) {
-  for (int i = 0; i < na; i++) {
-    int j = 0;
-    while (j < nb && before[j].tid != after[i].tid) j++;
-    if (j == nb || after[i].ns != before[j].ns || after[i].runnable) {
-      if (ran_ns) *ran_ns = j == nb ? -1 : (long long)(after[i].ns - before[j].ns);
-      return after[i].tid;
-    }
-  }
-  return 0;
-}
-
-/* "name, state S, in syscall 7, wchan do_poll, 12 us of CPU WHEN": what a refusal says of the thread that ran, so
- * that it can be recognized (NCCL's threads are named when NCCL_SET_THREAD_NAME=1, which `cryosleep run` sets
- * with the fast path). */
-static void dm_thread_desc(int tid, long long ran_ns, const char* when, char* out, size_t n) {
-  char path[64], name[32] = "", stat[512] = "", sc[64] = "", wchan[64] = "";
-  const char* files[] = {"comm", "stat", "syscall", "wchan"};
-  char* bufs[] = {name, stat, sc, wchan};
-  size_t sizes[] = {sizeof name, sizeof stat, sizeof sc, sizeof wchan};
-  for (int i = 0; i < 4; i++) {
-    snprintf(path, sizeof path, "/proc/self/task/%d/%s", tid, files[i]);
-    FILE* f = fopen(path, "re");
-    if (!f) continue;
-    size_t k = fread(bufs[i], 1, sizes[i] - 1, f);
-    bufs[i][k] = 0;
-    bufs[i][strcspn(bufs[i], "\n")] = 0;
-    fclose(f);
-  }
-  const char* cp = strrchr(stat, ')');
-  char state = cp && cp[1] == ' ' ? cp[2] : '?';
-  sc[strcspn(sc, " ")] = 0; /* the syscall's number (or "running"); its arguments are not needed */
-  int k = snprintf(out, n, "%s, state %c, in syscall %s, wchan %s", name, state, sc[0] ? sc : "?",
-                   wchan[0] ? wchan : "?");
-  if (k > 0 && (size_t)k < n) {
-    if (ran_ns >= 0)
-      snprintf(out + k, n - (size_t)k, ", %lld us of CPU %s", ran_ns / 1000, when);
-    else
-      snprintf(out + k, n - (size_t)k, ", started %s", when);
-  }
-}
 
 static void dm_open_gate(void) { __atomic_store_n(&dm_gate, 0, __ATOMIC_RELEASE); }
 
 int cs_dm_offloaded(void) { return __atomic_load_n(&dm_out, __ATOMIC_ACQUIRE); }
-
-/* Waits until every thread that is not held or exempt shows no CPU time for a few ms (within 1 s). Leaves
- * the sample taken at that moment in `a`. */
-static int dm_wait_quiet(struct dm_thr* a, int* na, struct dm_thr* b, int self, char* err, size_t n) {
-  uint64_t t0 = dm_now_ns();
-  for (;;) {
-    *na = dm_sample(a, self);
-    struct timespec ts = {0, 3000000};
-    nanosleep(&ts, NULL);
-    int nb = dm_sample(b, self);
-    if (*na < 0 || nb < 0) return snprintf(err, n, "OFFLOAD: /proc/self/task unreadable"), -1;
-    long long ran_ns = 0;
-    int tid = dm_ran(a, *na, b, nb, &ran_ns);
-    if (!tid) {
-      memcpy(a, b, (size_t)nb * sizeof *b);
-      *na = nb;
-      return 0;
-    }
-    if (dm_now_ns() - t0 > 1000000000ull) {
-      char desc[192];
-      dm_thread_desc(tid, ran_ns, "in 3 ms", desc, sizeof desc);
-      return snprintf(err, n, "OFFLOAD: thread %d (%s) kept running while the job was held: it may issue GPU "
-                      "work the interceptor does not see", tid, desc), -1;
-    }
-  }
-}
-
 /* Copies every allocation into the staging file, devices synchronized first. Holds dm_lock. */
 static CUresult dm_copy_all(size_t* total) {
   CUresult r = 0;
@@ -634,11 +623,11 @@ static CUresult dm_copy_all(size_t* total) {
   size_t off = 0;
   for (size_t i = 0; i < dm_n && !r; i++) {
     if (dm[i].device != last_dev) {
-      r = dm_ctx(dm[i].device) != 0 ? -1 : cu.ctx_sync(); /* the device's queued work done first */
+      r = cs_dm_ctx(dm[i].device) != 0 ? -1 : cu.ctx_sync(); /* the device's queued work done first */
       last_dev = dm[i].device;
     }
     dm[i].stage_off = off;
-    if (!r) r = dm_copy(dm[i].va, off, dm[i].size, 1);
+    if (!r) r = cs_dm_copy(dm[i].va, off, dm[i].size, 1);
     off += dm[i].size;
   }
   *total = off;
@@ -646,8 +635,9 @@ static CUresult dm_copy_all(size_t* total) {
 }
 
 int cs_dm_offload(char* err, size_t n) {
-  static struct dm_thr a[DM_THREADS], b[DM_THREADS];
+  static struct cs_thr a[CS_THREADS], b[CS_THREADS];
   if (dm_out) return 0;
+  if (!cu.ready) dm_load();
   if (cu.ready != 1) return snprintf(err, n, "OFFLOAD: the fast path is off"), -1;
   if (!cs_drv_complete())
     return snprintf(err, n, "OFFLOAD: some CUDA driver calls of this process could not be gated"), -1;
@@ -666,6 +656,7 @@ int cs_dm_offload(char* err, size_t n) {
   pthread_mutex_lock(&dm_lock);
   size_t need = 0, total = 0;
   for (size_t i = 0; i < dm_n; i++) need += dm[i].size;
+  need += cs_vmm_movable();
   if (need > dm_stage) {
     pthread_mutex_unlock(&dm_lock);
     dm_open_gate();
@@ -679,21 +670,22 @@ int cs_dm_offload(char* err, size_t n) {
   long long ran_ns = 0;
   CUresult r = 0;
   for (int attempt = 0; attempt < 3; attempt++) {
-    if (dm_wait_quiet(a, &na, b, self, err, n) != 0) {
+    if (cs_thr_wait_quiet(a, &na, b, self, err, n) != 0) {
       pthread_mutex_unlock(&dm_lock);
       dm_open_gate();
       return -1;
     }
     c0 = dm_now_ns();
     r = dm_copy_all(&total);
+    if (!r) r = cs_vmm_copy_out(&total); /* then the memory the application mapped itself, after it */
     c1 = dm_now_ns();
     if (r) break;
-    int nb = dm_sample(b, self);
-    if (!(tid = dm_ran(a, na, b, nb, &ran_ns))) break;
+    int nb = cs_thr_sample(b, self);
+    if (!(tid = cs_thr_ran(a, na, b, nb, &ran_ns))) break;
   }
   if (r || tid) {
     char desc[192] = "";
-    if (tid) dm_thread_desc(tid, ran_ns, "during the copy", desc, sizeof desc);
+    if (tid) cs_thr_desc(tid, ran_ns, "during the copy", desc, sizeof desc);
     pthread_mutex_unlock(&dm_lock);
     dm_open_gate();
     if (r) return snprintf(err, n, "OFFLOAD: copying device memory out failed (CUDA error %d); nothing was "
@@ -707,6 +699,7 @@ int cs_dm_offload(char* err, size_t n) {
     bad |= cu.release(dm[i].handle) != 0;
     dm[i].handle = 0;
   }
+  bad |= cs_vmm_release() != 0;
   dm_out = 1;
   if (cs_ctl) {
     __atomic_store_n(&cs_ctl->offload_bytes, (uint64_t)total, __ATOMIC_RELAXED);
@@ -737,12 +730,12 @@ int cs_dm_reload(char* err, size_t n) {
     struct cu_prop prop = {.type = 1, .location = {1, d->device}};
     struct cu_access acc = {{1, d->device}, 3};
     CUmemHandle h = 0;
-    if ((r = dm_ctx(d->device) != 0 ? -1 : cu.create(&h, d->size, &prop, 0)) != 0) break;
+    if ((r = cs_dm_ctx(d->device) != 0 ? -1 : cu.create(&h, d->size, &prop, 0)) != 0) break;
     if ((r = cu.map(d->va, d->size, 0, h, 0)) != 0) {
       cu.release(h);
       break;
     }
-    if ((r = cu.set_access(d->va, d->size, &acc, 1)) == 0) r = dm_copy(d->va, d->stage_off, d->size, 0);
+    if ((r = cu.set_access(d->va, d->size, &acc, 1)) == 0) r = cs_dm_copy(d->va, d->stage_off, d->size, 0);
     if (r) {
       cu.unmap(d->va, d->size);
       cu.release(h);
@@ -755,6 +748,10 @@ int cs_dm_reload(char* err, size_t n) {
     /* the gate stays closed: the application must not touch memory that is not back */
     return snprintf(err, n, "RELOAD: allocation %zu of %zu (%zu bytes) could not be brought back (CUDA error %d); "
                     "the staging file still holds it: retry RELOAD", i + 1, dm_n, dm[i].size, r), -1;
+  }
+  if (cs_vmm_reload(err, n) != 0) {
+    pthread_mutex_unlock(&dm_lock);
+    return -1; /* the gate stays closed, as above */
   }
   dm_out = 0;
   if (cs_ctl) {

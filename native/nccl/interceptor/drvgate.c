@@ -70,10 +70,10 @@ static const char* const gated[] = {
     "cuStreamWriteValue32", "cuStreamWriteValue64", "cuStreamBatchMemOp", "cuMemPrefetchAsync",
 };
 
-static int is_gated(const char* name) {
-  char base[96];
+/* The base name of a driver call (into base, 96 bytes): 0, or -1 when it is none. */
+static int base_name(const char* name, char* base) {
   size_t n = strlen(name);
-  if (n >= sizeof base || name[0] != 'c' || name[1] != 'u') return 0;
+  if (n >= 96 || name[0] != 'c' || name[1] != 'u') return -1;
   memcpy(base, name, n + 1);
   static const char* const sfx[] = {"_ptds", "_ptsz", "_v2", "_v3"};
   for (int again = 1; again;) {
@@ -87,6 +87,10 @@ static int is_gated(const char* name) {
       }
     }
   }
+  return 0;
+}
+
+static int is_gated(const char* base) {
   for (size_t i = 0; i < sizeof gated / sizeof *gated; i++)
     if (strcmp(base, gated[i]) == 0) return 1;
   return 0;
@@ -201,7 +205,11 @@ static void* wrap(const char* name, void* p, int version) {
     if (!real_gpa) *(void**)&real_gpa = real;
     return real_gpa == real ? (void*)gpa : ungated(name, p);
   }
-  return is_gated(name) ? gate_fn(name, p) : p;
+  char base[96];
+  if (base_name(name, base) != 0) return p;
+  void* vm = cs_vmm_wrap(base, p); /* cuMemCreate, cuMemMap, ...: memory the application maps itself */
+  if (vm) return vm;
+  return is_gated(base) ? gate_fn(name, p) : p;
 }
 
 void* dlsym(void* handle, const char* name) {

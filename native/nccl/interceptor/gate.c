@@ -61,7 +61,10 @@ ncclResult_t cs_gate(struct cs_tslot* t, enum cs_kind kind, struct cs_vcomm* v, 
       uint64_t w = __atomic_load_n(cs_cmdp, __ATOMIC_ACQUIRE);
       if (__atomic_load_n(&cs_phase, __ATOMIC_ACQUIRE) == CS_PH_LIVE) {
         uint32_t c = (uint32_t)w;
-        if (c == CS_CMD_RUN) break;  /* not REBUILD: threads wait for the agent's RUN (all ranks rebuilt) */
+        /* not REBUILD: threads wait for the agent's RUN (all ranks rebuilt). PREPARE is sent while the job runs
+         * (before a drain, or ahead of any snapshot) and is answered without another command after it: it holds
+         * nothing (holding here kept a job stalled from a PREPARE ahead until the next snapshot's HOLD) */
+        if (c == CS_CMD_RUN || c == CS_CMD_PREPARE) break;
         if (c == CS_CMD_HOLD &&
             (__atomic_load_n(&cs_released_cmd, __ATOMIC_ACQUIRE) == w || cs_admissible(kind, v, peer)))
           break;

@@ -581,7 +581,8 @@ class Agent:
             nccl = capture_snapshot.nccl_driver(self.capture_target(False, None, persist=False))
             if nccl is None:
                 return []
-            ranks = [r for r in nccl.fast_ranks() if nccl.blocks[r].devmem.stage_bytes < nccl.blocks[r].devmem.bytes
+            dms = {r: nccl.blocks[r].devmem for r in nccl.fast_ranks()}
+            ranks = [r for r, dm in dms.items() if dm.stage_bytes < dm.moved_bytes
                      and nccl.blocks[r].state()[0] in (State.RUNNING, State.PREPARED)]
             gen = nccl.command(Cmd.PREPARE, ranks) if ranks else 0
         finally:

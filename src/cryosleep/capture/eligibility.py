@@ -18,7 +18,7 @@ from typing import Any
 from cryosleep import paths
 from cryosleep.capture import criu_install, cuda
 from cryosleep.core import proctree
-from cryosleep.core.interceptor import ControlBlock, flag_reasons
+from cryosleep.core.interceptor import ControlBlock, DevMem, flag_reasons
 from cryosleep.errors import CryosleepError
 from cryosleep.net import tools as net_tools
 
@@ -209,6 +209,39 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def _kib(n: int) -> str:
+    return _size(n) if n >= 2**20 else f"{n / 2**10:.0f} KiB" if n >= 2**10 else f"{n} bytes"
+
+
+def fast_path_checks(rank: int, dm: DevMem) -> list[Check]:
+    """What a snapshot of the rank would take with the fast path: the memory it moves, what it leaves to the
+    driver's checkpoint and why, and how its staging arena was pinned (informational rows)."""
+    small = f", {dm.slab_count} cudaMalloc under 1 MiB held in shared 2 MiB chunks" if dm.slab_count else ""
+    moved = (f"rank {rank}: moves {_size(dm.moved_bytes)} itself ({_size(dm.bytes)} it serves for cudaMalloc in "
+             f"{dm.count} VMM allocation(s){small}; {_size(dm.vmm_bytes)} in {dm.vmm_count} handle(s) the "
+             "application mapped with cuMemCreate/cuMemMap)")
+    if dm.stage_bytes:
+        a = dm.arena()
+        how = ", ".join(w for w, on in (("prefaulted", a["prefaulted"]), ("huge pages", a["huge_pages"]),
+                                        ("made early", a["early"])) if on) or "not prefaulted, small pages"
+        staged = (f"its staging arena holds {_size(dm.stage_bytes)}, pinned once ({how}; {dm.arena_pins} "
+                  f"cuMemHostRegister call(s) of {_size(dm.arena_piece)}; prefault {dm.arena_prefault_s:.2f} s, "
+                  f"pin {dm.arena_pin_s:.2f} s)")
+        if dm.stage_bytes < dm.moved_bytes:
+            staged += (f", {_size(dm.moved_bytes - dm.stage_bytes)} short of the device memory: the next snapshot "
+                       "grows and pins it")
+    else:
+        staged = ("its staging arena is made at the first snapshot (as much host memory, on /dev/shm; pinning it "
+                  "stalls the job's CUDA calls meanwhile, about 9 s for 24 GiB on an H200; "
+                  "CRYOSLEEP_ARENA_BYTES makes it ahead)")
+    out = [Check("fast path", True, f"{moved}; {staged}", fatal=False)]
+    for kind, n, count, why in dm.left():
+        out.append(Check("fast path: left to the driver", True,
+                         f"rank {rank}: {_kib(n)} in {count} {kind} allocation(s) are copied by the driver's "
+                         f"checkpoint instead (slower, inside the pause): {why}", fatal=False))
+    return out
+
+
 def interceptor_checks(blocks: Mapping[int, ControlBlock]) -> list[Check]:
     """What the workers' NCCL interceptors refuse: the feature flags they publish (docs/interceptor.md,
     "Check"), a block no control thread serves, and (a warning here, refused at the cut) user reduction
@@ -229,14 +262,7 @@ def interceptor_checks(blocks: Mapping[int, ControlBlock]) -> list[Check]:
                              "are alive now; a snapshot is refused if they still are at the cut", fatal=False))
         dm = b.devmem
         if dm.on:  # informational: what the fast path will move (docs/interceptor.md, "The fast path")
-            staged = f"a {_size(dm.stage_bytes)} staging file prepared" if dm.stage_bytes else (
-                "its staging file is made at the first snapshot (as much host memory, on /dev/shm; pinning it "
-                "stalls the job's CUDA calls meanwhile, about 9 s for 24 GiB on an H200)")
-            if dm.stage_bytes and dm.stage_bytes < dm.bytes:
-                staged += (f", {_size(dm.bytes - dm.stage_bytes)} short of the device memory: the next snapshot "
-                           "grows and pins it")
-            out.append(Check("fast path", True, f"rank {rank}: {_size(dm.bytes)} of device memory in {dm.count} "
-                             f"allocation(s) served by the interceptor; {staged}", fatal=False))
+            out.extend(fast_path_checks(rank, dm))
     return out
 
 

@@ -458,7 +458,7 @@ def save_devmem(nccl: Driver, fast: list[int], skipped: dict[int, str], node_dir
         if not dm.stage_path:
             continue
         entry: dict[str, Any] = {"stage_path": dm.stage_path, "stage_bytes": dm.stage_bytes, "image": None,
-                                 "bytes": 0}
+                                 "bytes": 0, "plan": dm.plan()}  # moved, left to the driver (why), the arena
         if r in fast:
             total = dm.offload_bytes
             name = f"{DEVMEM_DIR}/rank-{r}.devmem"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from cryosleep.capture import criu_install, eligibility, netlock
 from cryosleep.cli.output import emit_json, table
@@ -21,6 +22,7 @@ def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_check(a: argparse.Namespace) -> int:
     checks = eligibility.system_checks() + _dead_dumps()
+    plans: dict[str, Any] = {}  # rank -> what its snapshot would take with the fast path
     if a.job:
         job = JobDir(a.job)
         spec, st = job.read()
@@ -31,10 +33,13 @@ def cmd_check(a: argparse.Namespace) -> int:
             found = eligibility.process_checks(st.init_pid)
             checks.extend(found or [eligibility.Check("job processes", True,
                                                       f"nothing uncapturable held by job {a.job}")])
-            checks.extend(_nccl(job, spec.ranks, st.init_pid))
+            checks.extend(_nccl(job, spec.ranks, st.init_pid, plans))
     ok = all(c.ok for c in checks if c.fatal)
     if a.json:
-        emit_json({"ok": ok, "checks": [c.to_json() for c in checks]})
+        out: dict[str, Any] = {"ok": ok, "checks": [c.to_json() for c in checks]}
+        if a.job:
+            out["fast_path"] = plans
+        emit_json(out)
     else:
         print(table(["check", "ok", "detail"], [[c.name, "yes" if c.ok else "NO", c.detail] for c in checks]))
         print("eligible" if ok else "NOT eligible: see the rows marked NO")
@@ -61,10 +66,11 @@ def _dead_dumps() -> list[eligibility.Check]:
     return out
 
 
-def _nccl(job: JobDir, ranks: list[int], init_pid: int) -> list[eligibility.Check]:
+def _nccl(job: JobDir, ranks: list[int], init_pid: int, plans: dict[str, Any]) -> list[eligibility.Check]:
     pids = {p for p in (proctree.ns_pid(x) for x in proctree.tree(init_pid)) if p is not None}
     blocks = attach_published({r: job.ctl_path(r) for r in ranks}, pids)
     try:
+        plans.update({str(r): b.devmem.plan() for r, b in sorted(blocks.items()) if b.devmem.on})
         found = eligibility.interceptor_checks(blocks)
         if blocks and not any(c.fatal for c in found):
             comms = {s.ident for b in blocks.values() for s in b.comms()}

@@ -30,7 +30,7 @@ from cryosleep.cli.transfer import (
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
-from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name
+from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, fast_path_for, gpu_machine
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
 from cryosleep.store.local import LocalStore
@@ -64,10 +64,14 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-interceptor", action="store_true",
                    help="do not preload Cryosleep's NCCL interceptor into the workers (a job that then holds live "
                    "NCCL communicators on GPUs cannot be snapshot)")
-    p.add_argument("--fast-path", action="store_true",
-                   help="the interceptor serves the workers' cudaMalloc and moves GPU memory itself at a snapshot, at "
-                   "DMA speed, instead of the CUDA driver's slower checkpoint (experimental: docs/interceptor.md, "
-                   "'The fast path')")
+    fp = p.add_mutually_exclusive_group()
+    fp.add_argument("--fast-path", dest="fast_path", action="store_true", default=None,
+                    help="the interceptor serves the workers' cudaMalloc (and tracks the memory they map themselves) "
+                    "and moves GPU memory itself at a snapshot, at DMA speed, instead of the CUDA driver's slower "
+                    "checkpoint (experimental: docs/interceptor.md, 'The fast path')")
+    fp.add_argument("--no-fast-path", dest="fast_path", action="store_false",
+                    help="the plain path: the CUDA driver's checkpoint copies all device memory (the default today; "
+                    "kept once the fast path becomes the default for GPU jobs)")
     p.add_argument("--net", choices=["host", "job"], default="host",
                    help="job: the sandbox gets its own network namespace and a job-private address that moves with "
                    "its snapshots, so TCP between ranks survives a restore elsewhere; needed for --nnodes > 1 "
@@ -162,7 +166,7 @@ def build_spec(a: argparse.Namespace) -> JobSpec:
         name=name, program=launch.program, cwd=os.getcwd(), env=env,
         nproc_per_node=launch.nproc_per_node, nnodes=launch.nnodes, node_rank=launch.node_rank,
         master_addr=master_addr, master_port=launch.master_port or free_port(), run_id=launch.run_id,
-        interceptor=not a.no_interceptor, fast_path=a.fast_path, net=net,
+        interceptor=not a.no_interceptor, fast_path=fast_path_for(a.fast_path, gpu_machine())[0], net=net,
         outbound=outbound.Policy.parse(a.outbound_reset, a.outbound_keep, a.outbound_drain).to_json(),
         rdzv_id=launch.rdzv_id, role=launch.role, local_ranks_filter=launch.local_ranks_filter,
         signals_to_handle=launch.signals_to_handle,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryosleep.errors import InterceptorError
 
@@ -121,6 +122,10 @@ H_PREMUL, H_NCCL_VERSION, H_CONTROL, H_COMMS_LIVE = 88, 92, 96, 100
 H_TARGETS_GEN, H_SETTLED_GEN, H_SETTLED, H_ERROR = 104, 108, 112, 256
 H_DEVMEM_ON, H_DEVMEM_BYTES, H_STAGE_BYTES, H_OFFLOAD_BYTES, H_DEVMEM_COUNT = 116, 120, 128, 136, 144
 H_OFFLOADED, H_OFFLOAD_NS, H_RELOAD_NS, H_STAGE_PATH = 148, 152, 160, 512
+H_VMM_BYTES, H_VMM_COUNT, H_LEFT_FLAGS, H_LEFT_VMM_BYTES, H_LEFT_VMM_COUNT = 168, 176, 180, 184, 192
+H_ASYNC_COUNT, H_ASYNC_BYTES, H_SMALL_BYTES, H_SMALL_COUNT = 196, 200, 208, 216
+H_ARENA_HOW, H_ARENA_PREFAULT_NS, H_ARENA_PIN_NS, H_ARENA_PIECE, H_ARENA_PINS = 220, 224, 232, 240, 248
+H_SLAB_COUNT = 252
 ERROR_SIZE = STAGE_PATH_SIZE = 256
 # Slot offsets.
 S_STATE, S_VID, S_IDENT, S_RANK, S_NRANKS, S_PARENT, S_COLOR, S_KEY = 0, 4, 8, 16, 20, 24, 28, 32
@@ -144,6 +149,70 @@ class DevMem:
     offload_bytes: int  # copied out by the last OFFLOAD
     offload_s: float
     reload_s: float
+    vmm_bytes: int = 0  # memory the application mapped itself (cuMemCreate/cuMemMap) that the fast path moves
+    vmm_count: int = 0
+    left_flags: int = 0  # LEFT_*: why some device memory is left to the driver's checkpoint
+    left_vmm_bytes: int = 0  # application-mapped memory left to the driver
+    left_vmm_count: int = 0
+    async_bytes: int = 0  # cudaMallocAsync memory live (left to the driver)
+    async_count: int = 0
+    small_bytes: int = 0  # cudaMalloc under 1 MiB live (left to the driver)
+    small_count: int = 0
+    arena_how: int = 0  # ARENA_*: how the staging arena was made and pinned
+    arena_prefault_s: float = 0.0
+    arena_pin_s: float = 0.0
+    arena_piece: int = 0
+    arena_pins: int = 0
+    slab_count: int = 0  # cudaMalloc under 1 MiB served from shared 2 MiB chunks (among ``count``'s), live
+
+    @property
+    def moved_bytes(self) -> int:
+        """What the fast path moves itself: the memory it serves and the application's own mappings."""
+        return self.bytes + self.vmm_bytes
+
+    def left(self) -> list[tuple[str, int, int, str]]:
+        """What is left to the driver's checkpoint: (kind, bytes, allocations, why), one row per kind."""
+        out: list[tuple[str, int, int, str]] = []
+        if self.left_vmm_count:
+            why = "; ".join(text for bit, text in LEFT_REASONS.items() if self.left_flags & bit)
+            out.append(("mapped by the application", self.left_vmm_bytes, self.left_vmm_count, why))
+        if self.async_count:
+            out.append(("cudaMallocAsync", self.async_bytes, self.async_count, LEFT_REASONS[LEFT_POOL]))
+        if self.small_count:
+            out.append(("cudaMalloc under 1 MiB", self.small_bytes, self.small_count, LEFT_REASONS[LEFT_SMALL]))
+        return out
+
+    def plan(self) -> dict[str, Any]:
+        """What a snapshot of this rank takes (the manifest's record, `check --job --json`'s): moved by the fast
+        path, left to the driver's checkpoint with why, and the staging arena."""
+        return {"moved_bytes": self.moved_bytes,
+                "served": {"bytes": self.bytes, "count": self.count, "small": self.slab_count},
+                "mapped": {"bytes": self.vmm_bytes, "count": self.vmm_count},
+                "left": [{"kind": k, "bytes": n, "count": c, "why": why} for k, n, c, why in self.left()],
+                "arena": {"bytes": self.stage_bytes, **self.arena()}}
+
+    def arena(self) -> dict[str, object]:
+        """How the staging arena was made and pinned (the manifest's and `check --job`'s record)."""
+        return {"prefaulted": bool(self.arena_how & ARENA_PREFAULTED), "huge_pages": bool(self.arena_how & ARENA_HUGE),
+                "early": bool(self.arena_how & ARENA_EARLY), "prefault_s": round(self.arena_prefault_s, 4),
+                "pin_s": round(self.arena_pin_s, 4), "piece_bytes": self.arena_piece, "pins": self.arena_pins}
+
+
+# Why device memory is left to the driver (ctl_block.h, enum cs_left), and how the arena was made (cs_arena).
+LEFT_EXPORTED, LEFT_PARTIAL, LEFT_UNMAPPED, LEFT_FOREIGN, LEFT_POOL, LEFT_SMALL, LEFT_NO_ACCESS = 1, 2, 4, 8, 16, 32, 64
+LEFT_REASONS = {
+    LEFT_EXPORTED: "a handle was exported to another process (cuMemExportToShareableHandle): its peer's mapping "
+                   "would lose it",
+    LEFT_PARTIAL: "a handle is not mapped whole at offset 0: there is no single range to copy it through",
+    LEFT_UNMAPPED: "a handle is not mapped at all",
+    LEFT_FOREIGN: "a mapping of a handle created elsewhere (imported from another process)",
+    LEFT_NO_ACCESS: "a handle is mapped but no access was granted on it (cuMemSetAccess): nothing may read it",
+    LEFT_POOL: "the driver's stream-ordered pool owns these addresses: they cannot be released and mapped again "
+               "from outside it",
+    LEFT_SMALL: "served by cudaMalloc: the slab's chunks were full or off (CRYOSLEEP_DEVMEM_SMALL=0), and a VMM "
+                "allocation each would take a whole 2 MiB granule",
+}
+ARENA_PREFAULTED, ARENA_HUGE, ARENA_EARLY = 1, 2, 4
 
 
 def attach_published(ctl: Mapping[int, Path], pids: Collection[int] | None = None) -> dict[int, ControlBlock]:
@@ -386,7 +455,14 @@ class ControlBlock:
         return DevMem(on=self.u32(H_DEVMEM_ON) == 1, bytes=self.u64(H_DEVMEM_BYTES), count=self.u32(H_DEVMEM_COUNT),
                       stage_bytes=self.u64(H_STAGE_BYTES), stage_path=raw, offloaded=self.u32(H_OFFLOADED) == 1,
                       offload_bytes=self.u64(H_OFFLOAD_BYTES), offload_s=self.u64(H_OFFLOAD_NS) / 1e9,
-                      reload_s=self.u64(H_RELOAD_NS) / 1e9)
+                      reload_s=self.u64(H_RELOAD_NS) / 1e9, vmm_bytes=self.u64(H_VMM_BYTES),
+                      vmm_count=self.u32(H_VMM_COUNT), left_flags=self.u32(H_LEFT_FLAGS),
+                      left_vmm_bytes=self.u64(H_LEFT_VMM_BYTES), left_vmm_count=self.u32(H_LEFT_VMM_COUNT),
+                      async_bytes=self.u64(H_ASYNC_BYTES), async_count=self.u32(H_ASYNC_COUNT),
+                      small_bytes=self.u64(H_SMALL_BYTES), small_count=self.u32(H_SMALL_COUNT),
+                      arena_how=self.u32(H_ARENA_HOW), arena_prefault_s=self.u64(H_ARENA_PREFAULT_NS) / 1e9,
+                      arena_pin_s=self.u64(H_ARENA_PIN_NS) / 1e9, arena_piece=self.u64(H_ARENA_PIECE),
+                      arena_pins=self.u32(H_ARENA_PINS), slab_count=self.u32(H_SLAB_COUNT))
 
     # ---- slots -------------------------------------------------------------------------------------
 

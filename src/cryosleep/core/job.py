@@ -40,6 +40,28 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 EXIT_SUSPENDED = 75
 
 
+# The fast path becomes the default for GPU jobs once a GPU run shows it passing (issue 17): then this turns True,
+# and `cryosleep run --no-fast-path` keeps the plain path. Nothing else changes at the switch.
+FAST_PATH_DEFAULT_FOR_GPU = False
+
+
+def fast_path_for(flag: bool | None, gpu_machine: bool, default_for_gpu: bool = FAST_PATH_DEFAULT_FOR_GPU,
+                  ) -> tuple[bool, str]:
+    """Whether a job gets the fast path, and why: ``flag`` is `--fast-path` (True), `--no-fast-path` (False) or
+    neither (None); without a flag, GPU machines get ``default_for_gpu`` and others the plain path (there is no
+    device memory to move)."""
+    if flag is not None:
+        return flag, "--fast-path" if flag else "--no-fast-path"
+    if not gpu_machine:
+        return False, "no GPU on this machine"
+    return default_for_gpu, "the default for GPU jobs" if default_for_gpu else "opt-in until a GPU run shows it passing"
+
+
+def gpu_machine() -> bool:
+    """This machine has NVIDIA GPUs (their device files): a job started here is taken for a GPU job."""
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+
+
 def check_name(name: str) -> str:
     if not NAME_RE.match(name):
         raise UsageError(
@@ -66,7 +88,7 @@ class JobSpec:
     run_id: str = ""
     interceptor: bool = True  # preload the NCCL interceptor into the workers (`cryosleep run --no-interceptor`)
     # the interceptor serves device memory so that it can move it itself (`cryosleep run --fast-path`;
-    # docs/interceptor.md, "The fast path": opt-in until every way of issuing GPU work is gated)
+    # docs/interceptor.md, "The fast path": opt-in until a GPU run shows it passing; fast_path_for decides)
     fast_path: bool = False
     # The job network (cryosleep.net.JobNet as JSON: subnet, this node's address, bridge, VNI, ifname);
     # empty: the sandbox shares the host's network (`cryosleep run --net job` sets it; docs/network.md).

@@ -211,8 +211,8 @@ class Driver:
     # ---- the fast path (docs/interceptor.md, "The fast path") ---------------------------------------
 
     def fast_ranks(self) -> list[int]:
-        """Ranks whose device memory the interceptor serves and can move itself."""
-        return [r for r, b in self.blocks.items() if b.devmem.on and b.devmem.bytes > 0]
+        """Ranks with device memory the interceptor can move itself (served by it, or mapped by the application)."""
+        return [r for r, b in self.blocks.items() if b.devmem.on and b.devmem.moved_bytes > 0]
 
     def prepare(self, ranks: Iterable[int], deadline: float) -> dict[int, str]:
         """PREPARE (job running): each rank's pinned staging file grown to its device memory."""

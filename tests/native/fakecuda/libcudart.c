@@ -1,5 +1,5 @@
 /* A stand-in for the CUDA runtime calls the fast path's tests make (cudaMalloc, cudaFree, cudaMemcpy,
- * cudaLaunchKernel), over host memory. The interceptor, preloaded, wraps them as it wraps the real
+ * cudaLaunchKernel, cudaMallocAsync, cudaFreeAsync), over host memory. The interceptor, preloaded, wraps them as it wraps the real
  * runtime's. A "kernel" is a host function, launched through the stand-in driver's cuLaunchKernel (found with
  * cuGetProcAddress, as the real runtime finds it), so that a workload reaches its "device memory" only
  * through launches and copies, as on a GPU. Built as libfakecudart.so by build.py. */
@@ -46,3 +46,14 @@ int cudaLaunchKernel(const void* f, struct dim3 g, struct dim3 b, void** a, size
   return launch(f, g.x, g.y, g.z, b.x, b.y, b.z, (unsigned)m, s, a, NULL);
 }
 long fake_launches(void) { return launches; }
+/* Stream-ordered allocations (cudaMallocAsync): the stand-in pool is host memory, as cudaMalloc's is. */
+int cudaMallocAsync(void** p, size_t n, void* stream) {
+  (void)stream;
+  *p = malloc(n);
+  return *p ? 0 : 2;
+}
+int cudaFreeAsync(void* p, void* stream) {
+  (void)stream;
+  free(p);
+  return 0;
+}
