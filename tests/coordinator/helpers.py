@@ -10,7 +10,7 @@ from typing import Any
 
 from cryosleep.coordinator import service
 from cryosleep.coordinator.client import CoordinatorClient
-from cryosleep.coordinator.sim import SimCluster
+from tests.coordinator.sim import SimCluster
 
 FAST = service.ServiceConfig(poll_wait_s=2.0, lost_after_s=1.0, rollback_s=15.0, redeliver_s=0.5,
                              default_timeout_s=20.0)

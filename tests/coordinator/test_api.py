@@ -25,10 +25,10 @@ from cryosleep.coordinator.protocol import (
     view_from_json,
     view_to_json,
 )
-from cryosleep.coordinator.sim import SimFaults
 from cryosleep.cut.rules import CommTarget, RankView
 from cryosleep.errors import Busy
 from tests.coordinator.helpers import Env, wait_for
+from tests.coordinator.sim import SimFaults
 
 
 def raw(env: Env, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, dict[str, object]]:

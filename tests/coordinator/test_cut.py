@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cryosleep.coordinator.sim import GLOBAL, node_ident
 from cryosleep.errors import NotEligible
 from tests.coordinator.helpers import Env, images
+from tests.coordinator.sim import GLOBAL, node_ident
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

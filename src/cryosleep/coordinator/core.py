@@ -16,6 +16,7 @@ from typing import Any
 from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
+from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.placement import Placements
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, ProtocolError, Result
 from cryosleep.coordinator.rendezvous import Board
@@ -54,6 +55,9 @@ class Coordinator:
         self.threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.machine_cfg = MachineConfig(lost_after_s=self.cfg.lost_after_s, rollback_s=self.cfg.rollback_s)
+        self.metrics = CoordinatorMetrics()
+        self.metrics.in_flight.set_function(lambda: float(len(self.active)))
+        self.metrics.watch_hub(lambda: self.hub.stats(self.cfg.lost_after_s))
         self._recover()
         t = threading.Thread(target=self._flush_heartbeats, name="heartbeats", daemon=True)
         t.start()
@@ -70,7 +74,8 @@ class Coordinator:
             nodes = {int(n["node_rank"]): str(n["agent"]) for n in row["nodes"]}
             incs = {str(n["agent"]): str(n.get("incarnation") or "") for n in row["nodes"]}
             run = RecoveryRun(self.catalog, self.hub, sid=sid, job=job, mode=Mode(row["mode"]), timeout_s=0.0,
-                              nodes=nodes, incarnations=incs, cfg=self.machine_cfg, log=self.log, snapshot=row)
+                              nodes=nodes, incarnations=incs, cfg=self.machine_cfg, log=self.log, snapshot=row,
+                              metrics=self.metrics)
             with self.lock:
                 self.active[job] = run
             self._spawn(f"recover-{sid}", functools.partial(self._finish, job, run, run.recover))
@@ -82,14 +87,18 @@ class Coordinator:
         return t
 
     def _finish(self, job: str, run: SnapshotRun, fn: Callable[[], Any]) -> None:
+        outcome = "error"
         try:
             fn()
+            outcome = str(self.catalog.snapshot(run.sid)["state"])
         except Exception as e:  # never leave a job marked busy because of a bug
             self.log(f"snapshot {run.sid}: {type(e).__name__}: {e}")
         finally:
+            self.metrics.snapshots.labels(str(run.mode), outcome).inc()
             with self.lock:
                 if self.active.get(job) is run:
                     del self.active[job]
+            run.finished.set()
 
     def _flush_heartbeats(self) -> None:
         while not self._stop.wait(2.0):
@@ -227,7 +236,7 @@ class Coordinator:
             incs = {a: self.hub.incarnation(a) or "" for a in nodes.values()}
             self.catalog.create_snapshot(sid, job, str(m), timeout, request_id, nodes, incs)
             run = SnapshotRun(self.catalog, self.hub, sid=sid, job=job, mode=m, timeout_s=timeout, nodes=nodes,
-                              incarnations=incs, cfg=self.machine_cfg, log=self.log)
+                              incarnations=incs, cfg=self.machine_cfg, log=self.log, metrics=self.metrics)
             self.active[job] = run
         self.catalog.event("trigger", f"{m} snapshot requested (timeout {timeout:g} s)", job=job, snapshot=sid)
         self._spawn(f"snapshot-{sid}", lambda: self._finish(job, run, run.run))
@@ -236,8 +245,13 @@ class Coordinator:
         return self.catalog.snapshot(sid)
 
     def wait_snapshot(self, sid: str, timeout: float) -> dict[str, Any]:
+        """Waits on the run's end (not by re-reading the catalog: a snapshot of 2,048 nodes has 2,048 rows)."""
         end = time.monotonic() + timeout
         while True:
+            with self.lock:
+                run = next((r for r in self.active.values() if r.sid == sid), None)
+            if run is not None:
+                run.finished.wait(max(0.0, end - time.monotonic()))
             row = self.catalog.snapshot(sid)
             done = row["state"] in FINAL and (row["ponr_at"] is None or row["finished_at"] is not None)
             with self.lock:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,7 @@ class Hub:
         self.results_cond = threading.Condition(self.lock)
         self.lines: dict[str, AgentLine] = {}
         self.results: dict[tuple[str, str], Result] = {}
+        self.arrivals: dict[str, list[tuple[str, Result]]] = {}  # command id -> (agent, result), arrival order
         self.redeliver_s = redeliver_s
         self.seen_wall: dict[str, float] = {}  # heartbeats not yet written to the catalog
         self.closed = False
@@ -159,6 +160,7 @@ class Hub:
             if a.outbox.pop(res.id, None) is None:
                 return True  # a repeat, or an answer to a command given up on: nobody waits for it
             self.results[(agent_id, res.id)] = res
+            self.arrivals.setdefault(res.id, []).append((agent_id, res))
             self.results_cond.notify_all()
             return True
 
@@ -166,15 +168,13 @@ class Hub:
         with self.lock:
             return self.results.get((agent_id, cmd_id))
 
-    def collect(self, wanted: Mapping[str, str]) -> dict[str, Result]:
-        """The results already in for (agent -> command id), under one lock acquisition."""
+    def arrived(self, cmd_id: str, seen: int) -> list[tuple[str, Result]]:
+        """The results for ``cmd_id`` (agent, result), in arrival order, from the ``seen``-th on: a waiter takes
+        only what is new at each wake-up (with 2,048 nodes, re-reading every node's slot at every result would be
+        quadratic)."""
         with self.lock:
-            out = {}
-            for a, c in wanted.items():
-                r = self.results.get((a, c))
-                if r is not None:
-                    out[a] = r
-            return out
+            got = self.arrivals.get(cmd_id)
+            return got[seen:] if got else []
 
     def health(self, agents: list[str], lost_after_s: float) -> dict[str, tuple[str | None, bool, float | None]]:
         """Per agent: (registered incarnation, alive, seconds since its last poll), under one lock acquisition."""
@@ -190,11 +190,21 @@ class Hub:
                     out[a] = (line.incarnation, line.polling > 0 or age < lost_after_s, age)
             return out
 
+    def stats(self, lost_after_s: float) -> tuple[int, int, int, int]:
+        """(agents registered, alive, polls open, commands queued and not answered), for the metrics."""
+        now = time.monotonic()
+        with self.lock:
+            lines = [a for a in self.lines.values() if not a.replaced]
+            alive = sum(1 for a in lines if a.polling > 0 or now - a.last_seen < lost_after_s)
+            return (len(lines), alive, sum(a.polling for a in lines), sum(len(a.outbox) for a in lines))
+
     def forget(self, snapshot: str) -> None:
         """Drops a finished snapshot's results and queued commands."""
         with self.lock:
             for key in [k for k, r in self.results.items() if r.snapshot == snapshot]:
                 del self.results[key]
+            for cid in [c for c, got in self.arrivals.items() if got[0][1].snapshot == snapshot]:
+                del self.arrivals[cid]
             for a in self.lines.values():
                 for cid in [c for c, p in a.outbox.items() if p.snapshot == snapshot]:
                     del a.outbox[cid]
@@ -204,11 +214,11 @@ class Hub:
             out, self.seen_wall = self.seen_wall, {}
             return out
 
-    def wait_results(self, wanted: Mapping[str, str], until: float) -> None:
-        """Waits (at most until ``until``, monotonic, and 0.2 s at a time) for a change: a result, an agent
-        replaced. The caller re-checks what it waits for."""
+    def wait_arrivals(self, cmd_id: str, seen: int, until: float) -> None:
+        """Waits (at most until ``until``, monotonic, and 0.2 s at a time) for a change: a result for ``cmd_id``
+        beyond the ``seen`` ones, an agent replaced. The caller re-checks what it waits for."""
         with self.lock:
-            if all((a, c) in self.results for a, c in wanted.items()):
+            if len(self.arrivals.get(cmd_id, ())) > seen:
                 return
             left = until - time.monotonic()
             if left > 0:

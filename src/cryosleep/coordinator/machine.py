@@ -30,6 +30,7 @@ stays valid.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from typing import Any
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.hub import Hub
+from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.protocol import (
     GEN_STRIDE,
     Mode,
@@ -97,8 +99,9 @@ class SnapshotRun:
 
     def __init__(self, catalog: Catalog, hub: Hub, *, sid: str, job: str, mode: Mode, timeout_s: float,
                  nodes: Mapping[int, str], incarnations: Mapping[str, str], cfg: MachineConfig | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, metrics: CoordinatorMetrics | None = None) -> None:
         self.catalog = catalog
+        self.metrics = metrics
         self.hub = hub
         self.sid = sid
         self.job = job
@@ -109,7 +112,7 @@ class SnapshotRun:
         self.cfg = cfg or MachineConfig()
         self.log = log or (lambda _m: None)
         self.deadline = time.monotonic() + timeout_s
-        self.phases = Phases()
+        self.phases = Phases(metrics.phase_progress() if metrics else None)
         self.node_phases: dict[int, dict[str, float]] = {n: {} for n in self.nodes}
         self.step = 0
         self.gen = 0
@@ -120,6 +123,7 @@ class SnapshotRun:
         self.images: dict[int, dict[str, Any]] = {}
         self.cancelled = False
         self.rolling_back = False
+        self.finished = threading.Event()  # set once the run is over and no longer the job's active one
 
     # ---- talking to every node ------------------------------------------------------------------------------
 
@@ -133,6 +137,7 @@ class SnapshotRun:
         restarted agent, or the deadline raises CaptureFailed (the rest is cancelled). Tolerant: waits for
         every node that can still answer and returns the failures."""
         self.step += 1
+        started = time.monotonic()
         cid = f"{self.sid}.{self.step}.{op}"
         todo = list(self.nodes) if nodes is None else list(nodes)
         out = Outcome()
@@ -153,15 +158,17 @@ class SnapshotRun:
             a = args(n) if callable(args) else args
             self.hub.send(self.nodes[n], cid, self.sid, self.job, op, a, deadline)
         pending = set(todo)
+        node_of = {self.nodes[n]: n for n in todo}
         phase = PHASE_OF[op]
         checked = 0.0
+        seen = 0
         while pending:
-            # one lock acquisition per wake-up for the results, and liveness at most every 50 ms: with 128 nodes,
-            # checking every node at every result would be quadratic and starve the HTTP threads
-            got = self.hub.collect({self.nodes[n]: cid for n in pending})
-            for n in sorted(pending):
-                r = got.get(self.nodes[n])
-                if r is None:
+            # only the results that arrived since the last wake-up, and liveness at most every 50 ms: with 2,048
+            # nodes, checking every node at every result would be quadratic and starve the HTTP threads
+            got = self.hub.arrived(cid, seen)
+            seen += len(got)
+            for n, r in sorted((node_of[a], r) for a, r in got if a in node_of):
+                if n not in pending:
                     continue
                 pending.discard(n)
                 np = self.node_phases[n]
@@ -193,9 +200,11 @@ class SnapshotRun:
                 out.failed.extend(NodeFailure(n, f"{op}: no answer before the deadline") for n in sorted(pending))
                 break
             if pending:
-                self.hub.wait_results({self.nodes[n]: cid for n in pending}, deadline)
+                self.hub.wait_arrivals(cid, seen, deadline)
         for n in pending:
             self.hub.cancel(self.nodes[n], cid)
+        if self.metrics is not None:
+            self.metrics.round_seconds.labels(str(op)).observe(time.monotonic() - started)
         if out.failed and not tolerant:
             first = out.failed[0]
             raise CaptureFailed(f"node {first.node} of job {self.job!r} failed the snapshot at {op}",

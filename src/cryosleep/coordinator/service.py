@@ -14,6 +14,7 @@ Agents::
 
 Clients::
 
+    GET  /metrics                          the coordinator's Prometheus metrics (text format; coordinator/metrics.py)
     GET  /v1/jobs                          the jobs, with their nodes' liveness
     GET  /v1/jobs/{job}                    one job: nodes, agents, the snapshot in progress
     POST /v1/jobs/{job}/snapshots          {mode: keep-running|stop, timeout_s, request_id?, wait?}
@@ -38,6 +39,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
+from cryosleep.coordinator.metrics import CONTENT_TYPE_LATEST
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Unauthorized
 from cryosleep.errors import CryosleepError, NotFound, UsageError
 
@@ -65,6 +67,7 @@ STATUS = {"not_found": 404, "usage": 400, "protocol": 400, "unauthorized": 401, 
 Route = tuple[str, re.Pattern[str], str]
 ROUTES: list[Route] = [
     ("GET", re.compile(r"^/v1/health$"), "health"),
+    ("GET", re.compile(r"^/metrics$"), "metrics"),
     ("POST", re.compile(r"^/v1/agents/register$"), "register"),
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/poll$"), "poll"),
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/results$"), "results"),
@@ -118,10 +121,17 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._dispatch("POST")
 
-    def _send(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
+    route = "unknown"
+
+    def _send(self, status: int, body: Any, headers: dict[str, str] | None = None,
+              content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        m = self.server.coordinator.metrics
+        m.requests.labels(self.route, str(status)).inc()
+        if status >= 400:
+            m.errors.labels(body.get("error", "error") if isinstance(body, dict) else "error").inc()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -155,11 +165,16 @@ class Handler(BaseHTTPRequestHandler):
             if n > MAX_BODY:
                 raise UsageError("the request is too large", f"{n} bytes", f"send at most {MAX_BODY} bytes")
             raw = self.rfile.read(n) if n else b""
+            self.route = "unknown"
             for m, pattern, name in ROUTES:
                 match = pattern.match(url.path)
                 if match is None or m != method:
                     continue
+                self.route = name
                 if name != "health" and not self._authorized():
+                    return
+                if name == "metrics":
+                    self._send(200, self.server.coordinator.metrics.render(), content_type=CONTENT_TYPE_LATEST)
                     return
                 try:
                     body = json.loads(raw) if raw else {}

@@ -1,6 +1,7 @@
 """Simulated node agents: the real protocol over real HTTP, with simulated ranks and NCCL counters.
 
-For the coordinator's tests and its scale benchmark (no workers, no CRIU). ``SimWorld`` is one job: every
+Test-only code (not in the package): for the coordinator's tests and its scale benchmark (no workers, no
+CRIU). ``SimWorld`` is one job: every
 rank runs the same program, step after step: an all-reduce on its node's communicator (the node's ranks),
 then one on the job-wide communicator. Ranks start at different points of the program (``spread``), so at a
 snapshot some are behind and must run on to the cut, and some are held short of it on their node's
@@ -10,7 +11,10 @@ docs/interceptor.md describes it: in HOLD a collective is admitted while ``seq <
 ``SimNode`` implements ``client.NodeBackend`` for one node's ranks; with ``call_s > 0`` a rank takes that long
 per call, so the cut takes several rounds. ``SimFaults`` injects, per node: an error, a hang (never answers),
 a lost agent (stops polling) or a delay, at any operation or phase. ``SimCluster`` starts a job's nodes, each
-with its own ``AgentRunner`` (threads in this process, each with its own HTTP connections).
+with its own ``AgentRunner`` (threads in this process, each with its own HTTP connections); ``only`` limits it
+to some of the job's nodes, so that one job's agents can be spread over several processes (the benchmark does):
+every process builds the same world from the same seed, and the ids published for a rebuild are derived from
+(communicator, generation), so they agree across processes.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class SimWorld:
         self.nproc = nproc
         self.world = nnodes * nproc
         self.call_s = call_s
+        self.seed = seed
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.ranks = [SimRank(r, r // nproc, r % nproc) for r in range(self.world)]
@@ -152,8 +157,9 @@ class SimWorld:
                         settled_gen=rk.settled_gen, settled=settled)
 
     def publish(self, ident: int, gen: int) -> str:
+        """The id communicator ``ident``'s rank 0 publishes at generation ``gen`` (the same in every process)."""
         with self.lock:
-            return self.uids.setdefault((ident, gen), hashlib.sha256(f"{ident}:{gen}:{time.time_ns()}".encode())
+            return self.uids.setdefault((ident, gen), hashlib.sha256(f"{self.seed}:{ident}:{gen}".encode())
                                         .hexdigest()[:32])
 
 
@@ -165,7 +171,7 @@ class SimNode:
         self.node = node
         self.store = store
         self.faults = faults or SimFaults()
-        self.ranks = [rk for rk in world.ranks if rk.node == node]
+        self.ranks = world.ranks[node * world.nproc:(node + 1) * world.nproc]
         self.lock = threading.Lock()
         self.ops: list[tuple[str, str]] = []  # (snapshot, op) executed, in order
         self.staged: dict[str, dict[str, Any]] = {}
@@ -355,7 +361,7 @@ class SimNode:
                 if self.world.comm_rank(rk, ident) == 0:
                     continue
                 h = ident_hex(ident)
-                if got.get(h) != self.world.uids.get((ident, gen)):
+                if got.get(h) != self.world.publish(ident, gen):
                     raise CaptureFailed(f"rank {rk.rank}: wrong or missing id for {h}", f"got {got.get(h)}", "")
                 rk.uid_gen[ident] = gen
         for rk in self.ranks:
@@ -441,10 +447,11 @@ class SimCluster:
 
     def __init__(self, url: str, token: str, store: Path, *, job: str = "sim", nnodes: int = 2, nproc: int = 4,
                  seed: int = 0, spread: int = 5, call_s: float = 0.0, faults: dict[int, SimFaults] | None = None,
-                 wait_s: float = 20.0, log: Callable[[str], None] | None = None) -> None:
+                 wait_s: float = 20.0, log: Callable[[str], None] | None = None,
+                 only: range | None = None) -> None:
         self.world = SimWorld(nnodes, nproc, seed=seed, spread=spread, call_s=call_s)
         self.job = job
-        self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n)) for n in range(nnodes)]
+        self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n)) for n in (only or range(nnodes))]
         self.runners: list[AgentRunner] = []
         for node in self.nodes:
             reg = Registration(job=job, nnodes=nnodes, node_rank=node.node, ranks=[rk.rank for rk in node.ranks],
