@@ -175,7 +175,20 @@ def _sparse(xs: tuple[int, ...]) -> dict[str, int]:
     return {str(i): n for i, n in enumerate(xs) if n}
 
 
-def _dense(d: Mapping[str, Any], n: int) -> tuple[int, ...]:
+_ZEROS: dict[int, tuple[int, ...]] = {}
+
+
+def zeros(n: int) -> tuple[int, ...]:
+    """One shared all-zero tuple per length (most per-peer lists are all zero: thousands of slots share it)."""
+    z = _ZEROS.get(n)
+    if z is None:
+        z = _ZEROS[n] = (0,) * n
+    return z
+
+
+def _dense(d: Mapping[str, Any] | None, n: int) -> tuple[int, ...]:
+    if not d:
+        return zeros(n)
     out = [0] * n
     for k, v in d.items():
         i = int(k)
@@ -200,13 +213,27 @@ def slot_to_json(s: CommSlot) -> dict[str, Any]:
     return d
 
 
+_IDENTS: dict[str, int] = {}
+
+
+def _ident(h: Any) -> int:
+    i = _IDENTS.get(h) if isinstance(h, str) else None
+    if i is None:
+        i = int(str(h), 16)
+        if len(_IDENTS) < 65536:  # a job has a few communicators; thousands of slots name each
+            _IDENTS[str(h)] = i
+    return i
+
+
 def slot_from_json(d: Mapping[str, Any]) -> CommSlot:
+    # positional, field by field: this runs for every slot of every rank in every round of a drain
     n = int(d["peers"])
-    ints = {k: int(d[k]) for k in _SLOT_INTS}
-    return CommSlot(ident=int(str(d["ident"]), 16), **ints,
-                    send=_dense(d.get("send") or {}, n), recv=_dense(d.get("recv") or {}, n),
-                    send_target=_dense(d.get("send_target") or {}, n),
-                    recv_target=_dense(d.get("recv_target") or {}, n))
+    return CommSlot(int(d["index"]), int(d["state"]), int(d["vid"]), _ident(d["ident"]), int(d["rank"]),
+                    int(d["nranks"]), int(d["parent_vid"]), int(d["color"]), int(d["key"]), int(d["rebuild"]),
+                    int(d["flags"]), int(d["device"]), int(d["seq"]), int(d["coll_target"]), int(d["uid_gen"]),
+                    int(d["waiting"]), int(d["waiting_kind"]), int(d["waiting_peer"]),
+                    _dense(d.get("send"), n), _dense(d.get("recv"), n), _dense(d.get("send_target"), n),
+                    _dense(d.get("recv_target"), n))
 
 
 def view_to_json(v: RankView) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """`cryosleep coordinator serve`: the catalog, the agents' connections and the snapshot machines behind one
 HTTP API (standard library ``ThreadingHTTPServer``, HTTP/1.1 keep-alive, one thread per connection).
 
+Every agent's poll is a request, so the per-request cost bounds a snapshot of thousands of nodes
+(docs/benchmarks.md): the handler reads the request line and headers itself (the standard library parses
+headers with the ``email`` package, about half of a request's CPU) and writes each response with one send.
+
 Every request but ``GET /v1/health`` carries ``Authorization: Bearer TOKEN`` (the token file's content,
 compared in constant time); a missing or wrong token gets 401 and a JSON error. Errors are the project's JSON
 form (``{"error": kind, "what", "why", "hint"}``) with a matching status.
@@ -25,12 +29,15 @@ Clients::
 
 from __future__ import annotations
 
+import email.utils
 import hmac
+import http
 import json
 import re
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -102,9 +109,53 @@ class Server(ThreadingHTTPServer):
         return f"http://{host!s}:{port}"
 
 
+_PHRASES = {int(st): st.phrase for st in http.HTTPStatus}
+_date: list[Any] = [0, ""]
+
+
+def _http_date() -> str:
+    now = int(time.time())
+    if _date[0] != now:
+        _date[:] = [now, email.utils.formatdate(now, usegmt=True)]
+    return str(_date[1])
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: Server
+    hdrs: dict[str, str]
+    """The request's headers, names in lower case."""
+    raw_requestline: bytes  # set by BaseHTTPRequestHandler.handle_one_request
+
+    def parse_request(self) -> bool:
+        """The request line and headers, read plainly; anything unusual goes to the standard library's parser."""
+        line = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        parts = line.split()
+        if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
+            ok = super().parse_request()
+            self.hdrs = {k.lower(): v for k, v in self.headers.items()} if ok else {}
+            return ok
+        self.requestline = line
+        self.command, self.path, self.request_version = parts
+        hdrs: dict[str, str] = {}
+        while True:
+            raw = self.rfile.readline(65537)
+            if len(raw) > 65536 or len(hdrs) > 100:
+                self.send_error(431, "Request header fields too large")
+                return False
+            if raw in (b"\r\n", b"\n", b""):
+                break
+            name, sep, value = str(raw, "iso-8859-1").partition(":")
+            if not sep or not name.strip():
+                self.send_error(400, "Bad request header", repr(raw[:80]))
+                return False
+            hdrs[name.strip().lower()] = value.strip()
+        self.hdrs = hdrs
+        conn = hdrs.get("connection", "").lower()
+        self.close_connection = conn == "close" or (self.request_version == "HTTP/1.0" and conn != "keep-alive")
+        if hdrs.get("expect", "").lower() == "100-continue":
+            return self.handle_expect_100()
+        return True
 
     def setup(self) -> None:
         super().setup()
@@ -130,13 +181,10 @@ class Handler(BaseHTTPRequestHandler):
         m.requests.labels(self.route, str(status)).inc()
         if status >= 400:
             m.errors.labels(body.get("error", "error") if isinstance(body, dict) else "error").inc()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
+        head = [f"HTTP/1.1 {status} {_PHRASES.get(status, '')}", "Server: cryosleep", f"Date: {_http_date()}",
+                f"Content-Type: {content_type}", f"Content-Length: {len(data)}"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)  # one send, not two
 
     def _gone(self) -> bool:
         """The client closed its connection (a lost agent's long poll): readable with nothing to read."""
@@ -147,7 +195,7 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _authorized(self) -> bool:
-        given = self.headers.get("Authorization", "")
+        given = self.hdrs.get("authorization", "")
         scheme, _, token = given.partition(" ")
         ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.server.token)
         if not ok:
@@ -161,7 +209,7 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
         try:
-            n = int(self.headers.get("Content-Length") or 0)
+            n = int(self.hdrs.get("content-length") or 0)
             if n > MAX_BODY:
                 raise UsageError("the request is too large", f"{n} bytes", f"send at most {MAX_BODY} bytes")
             raw = self.rfile.read(n) if n else b""
