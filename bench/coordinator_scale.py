@@ -112,6 +112,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--agent-procs", type=int, default=4, help="processes the simulated agents are spread over")
     ap.add_argument("--coordinator-src", help="run the coordinator from this source tree (a baseline)")
+    ap.add_argument("--profile", help="sample the coordinator's threads into this file (bench/profile_sampler.py)")
     ap.add_argument("--separate", action="store_true", help=argparse.SUPPRESS)  # always so now
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--agents-of", help=argparse.SUPPRESS)
@@ -128,7 +129,9 @@ def main() -> int:
     env = {**os.environ, "CRYOSLEEP_HOME": str(tmp)}
     if a.coordinator_src:
         env["PYTHONPATH"] = str(Path(a.coordinator_src).resolve())
-    coord = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "coordinator", "serve", "--listen",
+    run = [sys.executable, str(Path(__file__).with_name("profile_sampler.py")), a.profile] if a.profile else \
+        [sys.executable, "-m"]
+    coord = subprocess.Popen([*run, "cryosleep.cli.main", "coordinator", "serve", "--listen",
                               "127.0.0.1:0", "--db", str(tmp / "catalog.db"), "--token-file", str(tmp / "token"),
                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     assert coord.stdout is not None

@@ -47,7 +47,9 @@ class Coordinator:
         self.catalog = catalog
         self.cfg = cfg or ServiceConfig()
         self.log: Callable[[str], None] = log or _stderr_log
-        self.hub = Hub(self.cfg.redeliver_s)
+        # a held poll looks at its connection a few times per lost_after_s (every 0.5 s wake-up of 2,048 held
+        # polls was 4,096 acquisitions of the hub's lock a second)
+        self.hub = Hub(self.cfg.redeliver_s, gone_check_s=max(0.5, self.cfg.lost_after_s / 4))
         self.board = Board()  # multi-node restores meet here (coordinator/rendezvous.py)
         self.placements = Placements()  # host daemons, and snapshots placed on them (coordinator/placement.py)
         self.lock = threading.Lock()
@@ -157,10 +159,9 @@ class Coordinator:
 
     def poll(self, agent_id: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         inc = str(body.get("incarnation", ""))
-        if body.get("results"):
-            self.results(agent_id, body)
+        results = [Result.from_json(r) for r in body.get("results") or ()]
         wait = min(max(0.0, float(body.get("wait_s", self.cfg.poll_wait_s))), self.cfg.poll_wait_s)
-        cmds = self.hub.take(agent_id, inc, wait, gone)
+        cmds = self.hub.take(agent_id, inc, wait, gone, results)
         if cmds is None:
             raise self._unknown_agent(agent_id)
         return {"commands": [c.to_json() for c in cmds]}

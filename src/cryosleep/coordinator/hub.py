@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,13 +50,14 @@ class AgentLine:
 
 
 class Hub:
-    def __init__(self, redeliver_s: float = REDELIVER_S) -> None:
+    def __init__(self, redeliver_s: float = REDELIVER_S, gone_check_s: float = 0.5) -> None:
         self.lock = threading.RLock()
         self.results_cond = threading.Condition(self.lock)
         self.lines: dict[str, AgentLine] = {}
         self.results: dict[tuple[str, str], Result] = {}
         self.arrivals: dict[str, list[tuple[str, Result]]] = {}  # command id -> (agent, result), arrival order
         self.redeliver_s = redeliver_s
+        self.gone_check_s = gone_check_s  # how often a held poll checks that its client is still connected
         self.seen_wall: dict[str, float] = {}  # heartbeats not yet written to the catalog
         self.closed = False
 
@@ -115,14 +116,19 @@ class Hub:
             if a is not None:
                 a.outbox.pop(cmd_id, None)
 
-    def take(self, agent_id: str, incarnation: str, wait_s: float,
-             gone: Callable[[], bool] = lambda: False) -> list[Command] | None:
-        """A long poll: the commands due for this agent, or [] after ``wait_s``; None when this incarnation is
-        not (or no longer) the registered one (the agent must register again)."""
+    def take(self, agent_id: str, incarnation: str, wait_s: float, gone: Callable[[], bool] = lambda: False,
+             results: Sequence[Result] = ()) -> list[Command] | None:
+        """A long poll: records the ``results`` it carries, then returns the commands due for this agent, or []
+        after ``wait_s``; None when this incarnation is not (or no longer) the registered one (the agent must
+        register again). One lock acquisition for the results and the commands: with thousands of agents polling,
+        the lock is what they contend for. A held poll wakes every ``gone_check_s`` to check, outside the lock,
+        that its client is still connected."""
         with self.lock:
             a = self.lines.get(agent_id)
             if a is None or a.incarnation != incarnation:
                 return None
+            for res in results:
+                self._put(a, res)
             a.polling += 1
             try:
                 end = time.monotonic() + wait_s
@@ -141,27 +147,36 @@ class Hub:
                     left = end - now
                     if left <= 0:
                         return []
-                    a.cond.wait(min(left, 0.5, self.redeliver_s))
-                    if gone():
+                    if a.cond.wait(min(left, self.gone_check_s, self.redeliver_s)):
+                        continue  # woken: a command or a change, no need to look at the connection
+                    self.lock.release()  # a select() on the socket: not while every other poll waits for the lock
+                    try:
+                        lost = gone()
+                    finally:
+                        self.lock.acquire()
+                    if lost:
                         return []
             finally:
                 a.polling -= 1
                 a.last_seen = time.monotonic()
 
+    def _put(self, a: AgentLine, res: Result) -> None:
+        a.last_seen = time.monotonic()
+        if a.outbox.pop(res.id, None) is None:
+            return  # a repeat, or an answer to a command given up on: nobody waits for it
+        self.results[(a.agent_id, res.id)] = res
+        self.arrivals.setdefault(res.id, []).append((a.agent_id, res))
+        self.results_cond.notify_all()
+
     def put_result(self, agent_id: str, incarnation: str, res: Result) -> bool:
         """Records the answer to a queued command; the first one for a command id wins, repeats and answers to
-        cancelled commands are ignored. False: this incarnation
-        is not the registered one (its answer is about work a restarted agent no longer has)."""
+        cancelled commands are ignored. False: this incarnation is not the registered one (its answer is about
+        work a restarted agent no longer has)."""
         with self.lock:
             a = self.lines.get(agent_id)
             if a is None or a.incarnation != incarnation:
                 return False
-            a.last_seen = time.monotonic()
-            if a.outbox.pop(res.id, None) is None:
-                return True  # a repeat, or an answer to a command given up on: nobody waits for it
-            self.results[(agent_id, res.id)] = res
-            self.arrivals.setdefault(res.id, []).append((agent_id, res))
-            self.results_cond.notify_all()
+            self._put(a, res)
             return True
 
     def result(self, agent_id: str, cmd_id: str) -> Result | None:

@@ -220,8 +220,7 @@ class SnapshotRun:
         self.log(f"snapshot {self.sid}: {state}")
 
     def _save_nodes(self) -> None:
-        for n, ph in self.node_phases.items():
-            self.catalog.update_node(self.sid, n, phases=ph, image=self.images.get(n))
+        self.catalog.update_nodes(self.sid, {n: (ph, self.images.get(n)) for n, ph in self.node_phases.items()})
 
     # ---- the phases ----------------------------------------------------------------------------------------
 
@@ -423,8 +422,7 @@ class SnapshotRun:
                 self.catalog.event("ended", "the job was ended on every node still answering", job=self.job,
                                    snapshot=self.sid)
         self._save_nodes()
-        for n, st in states.items():
-            self.catalog.update_node(self.sid, n, state=st)
+        self.catalog.update_node_states(self.sid, states)
         self.catalog.update_snapshot(self.sid, state="failed", reason=err.what, error=err.to_json(),
                                      phases=self.phases.rounded(), finished=True)
         if any(self.hub.incarnation(a) in (None, self.incarnations[a]) for a in self.nodes.values()):
