@@ -68,10 +68,10 @@ def rounds(client: CoordinatorClient, sid: str) -> int:
     return -1
 
 
-def proc_cpu(pid: int) -> float:
-    """A process's user + system CPU seconds, every thread."""
+def proc_cpu(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU seconds, every thread."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
 def scrape(url: str, token: str) -> dict[str, float] | None:
@@ -163,7 +163,8 @@ def main() -> int:
                 raise SystemExit(f"snapshot failed: {json.dumps(s.get('error'), indent=2)}")
             check_cut(tmp / "store", s["id"], a.nproc)
             run: dict[str, Any] = {"mode": s["mode"], "phases": s["phases"], "rounds": rounds(client, s["id"]),
-                                   "wall_s": round(wall, 4), "cpu_s": round(c1 - c0, 3)}
+                                   "wall_s": round(wall, 4), "cpu_s": round(c1[0] + c1[1] - c0[0] - c0[1], 3),
+                                   "sys_s": round(c1[1] - c0[1], 3)}
             if m0 is not None and m1 is not None:
                 run["phase_cpu"] = {k[4:]: round(v - m0.get(k, 0.0), 4) for k, v in m1.items() if k.startswith("cpu:")}
                 dn = m1.get("count:net_hold", 0.0) - m0.get("count:net_hold", 0.0)
@@ -205,7 +206,7 @@ def main() -> int:
     for i, r in enumerate(results):
         ph = r["phases"]
         print(f"{i:>3}  {r['mode']:<12}  {r['rounds']:>6}  " + "  ".join(f"{ph.get(p, 0.0):8.3f}" for p in PHASES)
-              + f"  {ph.get('stop', 0.0):7.3f}  {r['wall_s']:8.3f}  {r['cpu_s']:10.3f}")
+              + f"  {ph.get('stop', 0.0):7.3f}  {r['wall_s']:8.3f}  {r['cpu_s']:10.3f} (system {r['sys_s']:.3f})")
         if "phase_cpu" in r:
             pc = r["phase_cpu"]
             print("     coordinator CPU       " + "  ".join(f"{pc.get(p, 0.0):8.3f}" for p in PHASES))

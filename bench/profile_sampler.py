@@ -52,7 +52,7 @@ def main() -> None:
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    me = t.ident or 0  # noqa: F841 (read by sample())
+    me = t.ident or 0
     atexit.register(dump)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     sys.argv = [module, *args]
