@@ -271,5 +271,6 @@ def targets_from_json(d: Mapping[str, Any]) -> dict[int, CommTarget]:
 
 
 def targets_for(targets: Mapping[int, CommTarget], idents: set[int]) -> dict[int, CommTarget]:
-    """The part of the job's targets one node needs: the communicators its ranks hold."""
-    return {i: t for i, t in targets.items() if i in idents}
+    """The part of the job's targets one node needs: the communicators its ranks hold (looked up from the
+    node's side: a job of 2,048 nodes has 2,049 communicators, and every node asks)."""
+    return {i: targets[i] for i in sorted(idents) if i in targets}
