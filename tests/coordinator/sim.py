@@ -1,12 +1,12 @@
 """Simulated node agents: the real protocol over real HTTP, with simulated ranks and NCCL counters.
 
 Test-only code (not in the package): for the coordinator's tests and its scale benchmark (no workers, no
-CRIU). ``SimWorld`` is one job: every
-rank runs the same program, step after step: an all-reduce on its node's communicator (the node's ranks),
-then one on the job-wide communicator. Ranks start at different points of the program (``spread``), so at a
-snapshot some are behind and must run on to the cut, and some are held short of it on their node's
-communicator (the case ``cut.rules.raise_for_stuck`` exists for). The interceptor's gate is modelled as
-docs/interceptor.md describes it: in HOLD a collective is admitted while ``seq < coll_target``.
+CRIU). ``SimWorld`` is one job: every rank runs the same program, step after step: an all-reduce on its
+node's communicator (the node's ranks), then one on the job-wide communicator. Ranks start at different
+points of the program (``spread``), so at a snapshot some are behind and must run on to the cut, and some are
+held short of it on their node's communicator (the case ``cut.rules.raise_for_stuck`` exists for). The
+interceptor's gate is modelled as docs/interceptor.md describes it: in HOLD a collective is admitted while
+``seq < coll_target``.
 
 ``SimNode`` implements ``client.NodeBackend`` for one node's ranks; with ``call_s > 0`` a rank takes that long
 per call, so the cut takes several rounds. ``SimFaults`` injects, per node: an error, a hang (never answers),
