@@ -1,7 +1,11 @@
 # Everything a fresh machine needs, in one place. `make demo` and `make test` run `make setup` first.
-#   setup   Python venv with the package, PyTorch (CPU) and the dev tools; the native helpers; CRIU 4.2
+#   setup   Python venv with the package, PyTorch (CPU), the dev tools and the frameworks the tests train with
+#           (transformers, Lightning, torchdata: pinned, never replacing torch); the native helpers; CRIU 4.2
 #           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt);
-#           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way)
+#           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way);
+#           Slurm and munge from the distribution's packages, for the Slurm tests (tests/slurm)
+#   slurm   only that last step: apt-get install of slurmctld, slurmd, slurm-client and munge (no daemon is started:
+#           the tests run their own, in a private directory)
 #   test    the default test suite (what CI runs)
 #   demo    the main job: snapshot, stop and restore a small DDP job, compared bit for bit
 #   lint    ruff and mypy --strict
@@ -10,9 +14,9 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN = $(VENV)/bin
 
-.PHONY: setup venv native criu s3server test demo lint clean
+.PHONY: setup venv native criu s3server slurm test test-extended test-slurm test-fast demo lint clean
 
-setup: venv native criu s3server
+setup: venv native criu s3server slurm
 
 venv: $(VENV)/.installed
 
@@ -20,7 +24,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" numpy matplotlib
-	$(BIN)/pip install -q -e '.[dev]'
+	printf '%s\n' "$(TORCH)" > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[dev,frameworks]'
 	touch $@
 
 native:
@@ -30,16 +35,32 @@ criu: venv
 	$(BIN)/cryosleep criu install
 
 s3server: venv
-	$(BIN)/python -m cryosleep.store.s3serve install
+	$(BIN)/python tools/s3serve.py install
+
+SLURM_PACKAGES = slurmctld slurmd slurm-client munge
+slurm:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+	    && command -v munged >/dev/null; then echo "slurm: installed"; else \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    $(SLURM_PACKAGES); fi
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=25
+
+test-extended: setup
+	$(BIN)/python -m pytest -q -m extended --durations=10
+
+test-slurm: setup
+	$(BIN)/python -m pytest -q -m slurm --durations=10
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not extended and not slurm"
 
 demo: setup
 	$(BIN)/cryosleep demo
 
 lint: venv
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests tools bench
 	$(BIN)/mypy
 
 clean:

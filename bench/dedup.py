@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
 GPU_WORKLOAD = ROOT / "tests" / "gpu" / "workloads" / "cuda_train.py"
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # tools/ (the test S3 server)
 
 from cryosleep.store.backend import LocalBackend  # noqa: E402
 from cryosleep.store.cas import ChunkStore  # noqa: E402
@@ -204,7 +205,7 @@ def main() -> None:
         store_into("local dir", ChunkStore(LocalBackend(tmp / "cas"), workers=a.workers, spec=spec))
         if a.s3:
             from cryosleep.store.s3 import S3Backend
-            from cryosleep.store.s3serve import S3Server
+            from tools.s3serve import S3Server
 
             with S3Server(tmp / "radosgw") as srv:
                 srv.create_bucket("bench")

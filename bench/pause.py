@@ -131,7 +131,7 @@ class StepClock:
 def wait_prepared(ctl: Path, nproc: int, timeout: float) -> None:
     """Wait until every rank's staging file is as large as its device memory (the agent prepares them while the
     job runs); exit saying so after ``timeout`` seconds."""
-    from cryosleep.agent.interceptor import attach_published
+    from cryosleep.core.interceptor import attach_published
 
     end, seen = time.monotonic() + timeout, ""
     while time.monotonic() < end:
@@ -165,7 +165,7 @@ def end_job(tmp: Path, name: str) -> None:
         if pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-    from cryosleep.agent.job import JobDir
+    from cryosleep.core.job import JobDir
     shutil.rmtree(JobDir(name, tmp / "home" / "jobs").devmem, ignore_errors=True)
     time.sleep(1)
 

@@ -36,12 +36,13 @@ from _cli import cli  # bench/ is on sys.path when a script here is run
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads" / "ddp_basic.py"
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # tools/ (the test S3 server)
 
 from cryosleep import paths  # noqa: E402
 from cryosleep.store import persist  # noqa: E402
 from cryosleep.store.local import LocalStore  # noqa: E402
 from cryosleep.store.s3 import S3Backend  # noqa: E402
-from cryosleep.store.s3serve import S3Server  # noqa: E402
+from tools.s3serve import S3Server  # noqa: E402
 
 MiB = 1 << 20
 

@@ -17,13 +17,16 @@ import io
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cryosleep.store.s3serve import S3Server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ (the test S3 server)
+
+from tools.s3serve import S3Server
 
 BUCKET = "bench"
 

@@ -15,9 +15,12 @@
  *
  * The init calls setsid() (CRIU refuses a tree whose session leader is outside its PID namespace),
  * starts NPROC workers with LOCAL_RANK=i, RANK=RANK_BASE+i (and torchrun's ROLE_RANK; every "{rank}" in
- * CRYOSLEEP_NCCL_CTL becomes the worker's RANK, so that each has its own NCCL control file), stdin on /dev/null
+ * CRYOSLEEP_NCCL_CTL and TORCHELASTIC_ERROR_FILE becomes the worker's RANK, so that each has its own NCCL
+ * control file and error file), stdin on /dev/null
  * and stdout/stderr appended to LOG_DIR/rank-<RANK>.log, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2
- * to them, reaps every process (orphans included), and writes each worker's exit status to
+ * to them (queued with a mark that the workers' SIGTERM shield lets through: with CRYOSLEEP_TERM_SHIELD=1, a
+ * SIGTERM that was not queued with it, a scheduler's to the whole tree, is not forwarded; native/nccl/interceptor/
+ * shield.c), reaps every process (orphans included), and writes each worker's exit status to
  * LOG_DIR/rank-<RANK>.exit. When a worker fails the others are sent SIGTERM, then SIGKILL after
  * CRYOSLEEP_KILL_GRACE_S seconds (default 10), like torchrun. It exits with the first failing worker's code
  * (128+signal for a signal), or 0 when all succeeded.
@@ -48,7 +51,15 @@ static int nworkers;
 static volatile sig_atomic_t pending_signal;
 static volatile sig_atomic_t alarm_fired;
 
-static void on_signal(int sig) { pending_signal = sig; }
+#define CS_SIGNAL_MARK 0x43525953 /* "CRYS": a signal the agent means (also in the interceptor's shield.c) */
+static int term_shield; /* CRYOSLEEP_TERM_SHIELD=1: a SIGTERM not queued with the mark is not forwarded */
+
+static void on_signal(int sig, siginfo_t *si, void *uc) {
+	(void)uc;
+	if (sig == SIGTERM && term_shield && !(si->si_code == SI_QUEUE && si->si_value.sival_int == CS_SIGNAL_MARK))
+		return; /* a scheduler's SIGTERM to the whole tree: the agent has it too, and decides */
+	pending_signal = sig;
+}
 static void on_alarm(int sig) { (void)sig; alarm_fired = 1; }
 
 static void die(const char *what) {
@@ -121,6 +132,7 @@ static pid_t start_worker(int local_rank, int rank, const char *log_dir, char **
 	setenv("RANK", buf, 1);
 	setenv("ROLE_RANK", buf, 1);
 	expand_rank("CRYOSLEEP_NCCL_CTL", buf);
+	expand_rank("TORCHELASTIC_ERROR_FILE", buf);
 
 	int null = open("/dev/null", O_RDONLY);
 	snprintf(path, sizeof(path), "%s/rank-%d.log", log_dir, rank);
@@ -136,9 +148,12 @@ static pid_t start_worker(int local_rank, int rank, const char *log_dir, char **
 	_exit(127);
 }
 
+/* Queued with the mark, so that a worker's SIGTERM shield lets it through (the init's signals are meant). */
 static void signal_workers(int sig) {
+	union sigval mark = {.sival_int = CS_SIGNAL_MARK};
+
 	for (int i = 0; i < nworkers; i++)
-		if (workers[i] > 0)
+		if (workers[i] > 0 && (sig == SIGKILL ? kill(workers[i], sig) : sigqueue(workers[i], sig, mark)) < 0)
 			kill(workers[i], sig);
 }
 
@@ -152,9 +167,13 @@ static int run_init(int nproc, int rank_base, const char *log_dir, char **argv) 
 		die("setsid");
 	prctl(PR_SET_NAME, "cryosleep-init", 0, 0, 0);
 
+	const char *shield = getenv("CRYOSLEEP_TERM_SHIELD");
+	term_shield = shield && !strcmp(shield, "1");
+
 	struct sigaction sa;
 	memset(&sa, 0, sizeof(sa));
-	sa.sa_handler = on_signal;
+	sa.sa_sigaction = on_signal;
+	sa.sa_flags = SA_SIGINFO;
 	sigaction(SIGTERM, &sa, NULL);
 	sigaction(SIGINT, &sa, NULL);
 	sigaction(SIGHUP, &sa, NULL);

@@ -1,17 +1,33 @@
-"""The errors a user can meet.
+"""The errors a user can meet, all in one tree.
 
-Every error says what failed, why, and what to do next, and has a JSON form for tools::
+Every error says what failed, why, and what to do next, and has a JSON form for tools (``to_json``; its
+``error`` field is the class's ``kind``, which ``from_json`` turns back into the class)::
 
-    CryosleepError            what/why/hint, exit code 1
-     +-- UsageError           bad input on the command line (exit 2)
-     +-- NotFound             unknown job or snapshot
-     +-- NotEligible          a check refused the operation before anything started
-     +-- CaptureFailed        a snapshot failed; every rank was resumed
-     +-- RestoreFailed        a restore failed; nothing of the job is left running
-     +-- StoreCorrupt         an image failed verification
-     +-- Busy                 another operation holds the job (a snapshot already in progress)
-     +-- CriuUnavailable      no usable CRIU; the hint says how to install it
-     +-- IprouteUnavailable   no iproute2 (``ip``, ``bridge``) to run; the hint says how to get one
+    CryosleepError              what/why/hint, exit code 1
+     +-- UsageError             bad input on the command line, or a malformed name or URL (exit 2)
+     +-- NotFound               unknown job or snapshot
+     |    +-- ObjectNotFound    a store backend has no object of that name
+     +-- NotEligible            a check refused the operation before anything started
+     +-- CaptureFailed          a snapshot failed; every rank was resumed
+     +-- RestoreFailed          a restore failed; nothing of the job is left running
+     +-- Busy                   another operation holds the job (a snapshot already in progress)
+     +-- StoreCorrupt           an image failed verification
+     |    +-- IntegrityError    bytes read or written do not match their checksum
+     |    +-- ChunkCorrupt      a chunk's bytes do not give back its address
+     |    +-- WrongKey          a chunk does not decrypt with the job's key
+     |    +-- Unauthenticated   a manifest unsigned, altered, replayed or signed with another key (store/auth.py)
+     +-- BackendError           a store backend failed (I/O, network, server); ``retryable`` says if it may pass
+     +-- CriuUnavailable        no usable CRIU; the hint says how to install it
+     +-- IprouteUnavailable     no iproute2 (``ip``, ``bridge``) to run; the hint says how to get one
+     +-- CudaError              a call of the CUDA driver's checkpoint API failed
+     +-- InterceptorError       a control block is missing, malformed, or its interceptor did not answer
+     +-- NetError               the job network could not be set up or changed
+     +-- ProtocolError          a coordinator message was malformed or out of place
+     +-- Unauthorized           a coordinator request without the job's token
+     +-- Unreachable            the coordinator did not answer
+
+Exceptions that never reach a user stay private to their module (a notice endpoint's failed poll, a
+decryption that becomes ``WrongKey``).
 """
 
 from __future__ import annotations
@@ -88,6 +104,64 @@ class CriuUnavailable(CryosleepError):
 
 class IprouteUnavailable(CryosleepError):
     kind = "iproute_unavailable"
+
+
+class CudaError(CryosleepError):
+    kind = "cuda_error"
+
+
+class InterceptorError(CryosleepError):
+    """A control block is missing, malformed, or its interceptor did not answer."""
+
+    kind = "interceptor_error"
+
+
+class NetError(CryosleepError):
+    kind = "net"
+
+
+class ObjectNotFound(NotFound):
+    kind = "object_not_found"
+
+
+class BackendError(CryosleepError):
+    kind = "backend_error"
+
+    def __init__(self, what: str, why: str = "", hint: str = "", *, retryable: bool = False) -> None:
+        super().__init__(what, why, hint)
+        self.retryable = retryable
+
+
+class IntegrityError(StoreCorrupt):
+    kind = "integrity_error"
+
+
+class ChunkCorrupt(StoreCorrupt):
+    """A chunk's bytes do not give back its address (altered, truncated, or not a chunk)."""
+
+    kind = "chunk_corrupt"
+
+
+class WrongKey(StoreCorrupt):
+    kind = "wrong_key"
+
+
+class Unauthenticated(StoreCorrupt):
+    """A snapshot whose manifest is unsigned, altered, signed with another key, or copied from another one."""
+
+    kind = "unauthenticated"
+
+
+class ProtocolError(CryosleepError):
+    kind = "protocol"
+
+
+class Unauthorized(CryosleepError):
+    kind = "unauthorized"
+
+
+class Unreachable(CryosleepError):
+    kind = "unreachable"
 
 
 _KINDS["error"] = CryosleepError

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the agent, in the text exposition format (written here with the standard library).
+"""Prometheus metrics of the agent, kept and written out by ``prometheus_client`` (text format 0.0.4).
 
 The agent records into ``REGISTRY`` through the functions below and serves it on ``/metrics``
 (``cryosleep run --metrics-port N``). Other parts of Cryosleep record what they know through the same
@@ -23,12 +23,18 @@ functions; the store's background upload calls ``record_upload`` and ``record_de
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
 __all__ = [
     "REGISTRY",
@@ -43,153 +49,93 @@ __all__ = [
     "record_verified",
 ]
 
-Labels = tuple[tuple[str, str], ...]
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(labels: Labels, extra: Labels = ()) -> str:
-    items = (*labels, *extra)
-    if not items:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items) + "}"
+# No ``<name>_created`` series beside each counter and histogram: the exposition stays the metrics above.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # (untyped in the library)
 
 
-def _num(v: float) -> str:
-    f = float(v)
-    if math.isinf(f):
-        return "+Inf" if f > 0 else "-Inf"
-    if math.isnan(f):
-        return "NaN"
-    return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+class _Ages(Collector):
+    """Gauges computed when scraped: seconds since a recorded time, one family per name."""
 
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.families: dict[str, tuple[str, tuple[str, ...], dict[tuple[str, ...], float]]] = {}
 
-class _Family:
-    def __init__(self, name: str, kind: str, help_: str) -> None:
-        self.name, self.kind, self.help = name, kind, help_
-
-    def lines(self, now: float) -> list[str]:
-        raise NotImplementedError
-
-
-class _Values(_Family):
-    """A counter or gauge: one value per label set."""
-
-    def __init__(self, name: str, kind: str, help_: str) -> None:
-        super().__init__(name, kind, help_)
-        self.values: dict[Labels, float] = {}
-
-    def lines(self, now: float) -> list[str]:
-        return [f"{self.name}{_labels(k)} {_num(v)}" for k, v in sorted(self.values.items())]
-
-
-class _Age(_Family):
-    """A gauge computed when scraped: seconds since a recorded time."""
-
-    def __init__(self, name: str, help_: str) -> None:
-        super().__init__(name, "gauge", help_)
-        self.since: dict[Labels, float] = {}
-
-    def lines(self, now: float) -> list[str]:
-        return [f"{self.name}{_labels(k)} {_num(round(max(0.0, now - t), 3))}" for k, t in sorted(self.since.items())]
-
-
-class _Histogram(_Family):
-    def __init__(self, name: str, help_: str, buckets: Iterable[float]) -> None:
-        super().__init__(name, "histogram", help_)
-        self.buckets = tuple(sorted(buckets))
-        self.series: dict[Labels, tuple[list[int], list[float]]] = {}  # counts per bucket, [sum, count]
-
-    def lines(self, now: float) -> list[str]:
-        out = []
-        for k, (counts, (total, n)) in sorted(self.series.items()):
-            cum = 0
-            for b, c in zip(self.buckets, counts, strict=True):
-                cum += c
-                out.append(f"{self.name}_bucket{_labels(k, (('le', _num(b)),))} {cum}")
-            out.append(f"{self.name}_bucket{_labels(k, (('le', '+Inf'),))} {int(n)}")
-            out.append(f"{self.name}_sum{_labels(k)} {_num(round(total, 6))}")
-            out.append(f"{self.name}_count{_labels(k)} {int(n)}")
-        return out
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = self.clock()
+        with self.lock:
+            families = {n: (h, names, dict(since)) for n, (h, names, since) in self.families.items()}
+        for name, (help_, names, since) in sorted(families.items()):
+            fam = GaugeMetricFamily(name, help_, labels=names)
+            for values, when in sorted(since.items()):
+                fam.add_metric(list(values), round(max(0.0, now - when), 3))
+            yield fam
 
 
 class Registry:
-    """Metric families by name; thread-safe; ``render()`` gives the text exposition format (version 0.0.4)."""
+    """Metric families by name, made on first use with the label names they are first given; thread-safe.
+
+    Counters, gauges and histograms are ``prometheus_client``'s own, in a registry of their own (not the
+    library's process-wide default); ``render()`` is ``generate_latest`` of it, in text format 0.0.4."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
-        self._families: dict[str, _Family] = {}
         self.clock = clock
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._metrics: dict[str, MetricWrapperBase] = {}
+        self._ages = _Ages(clock)
+        self.registry.register(self._ages)
 
-    def _family(self, name: str, make: Callable[[], _Family]) -> _Family:
-        fam = self._families.get(name)
-        if fam is None:
-            fam = self._families[name] = make()
-        return fam
-
-    @staticmethod
-    def _key(labels: Mapping[str, str]) -> Labels:
-        return tuple(sorted((k, str(v)) for k, v in labels.items()))
+    def _metric(self, name: str, make: Callable[[tuple[str, ...]], MetricWrapperBase],
+                labels: Mapping[str, str]) -> MetricWrapperBase:
+        with self._lock:
+            m = self._metrics.get(name)
+            if m is None:
+                m = self._metrics[name] = make(tuple(sorted(labels)))
+        return m.labels(**{k: str(v) for k, v in labels.items()}) if labels else m
 
     def set(self, name: str, help_: str, value: float, **labels: str) -> None:
-        with self._lock:
-            fam = self._family(name, lambda: _Values(name, "gauge", help_))
-            assert isinstance(fam, _Values)
-            fam.values[self._key(labels)] = float(value)
+        g = self._metric(name, lambda ln: Gauge(name, help_, ln, registry=self.registry), labels)
+        assert isinstance(g, Gauge)
+        g.set(float(value))
 
     def inc(self, name: str, help_: str, amount: float = 1.0, **labels: str) -> None:
         if not name.endswith("_total"):
             raise ValueError(f"a counter's name ends in _total: {name}")
-        with self._lock:
-            fam = self._family(name, lambda: _Values(name, "counter", help_))
-            assert isinstance(fam, _Values)
-            key = self._key(labels)
-            fam.values[key] = fam.values.get(key, 0.0) + amount
+        c = self._metric(name, lambda ln: Counter(name, help_, ln, registry=self.registry), labels)
+        assert isinstance(c, Counter)
+        c.inc(amount)
 
     def observe(self, name: str, help_: str, value: float, buckets: Iterable[float] = BUCKETS,
                 **labels: str) -> None:
-        with self._lock:
-            fam = self._family(name, lambda: _Histogram(name, help_, buckets))
-            assert isinstance(fam, _Histogram)
-            counts, agg = fam.series.setdefault(self._key(labels), ([0] * len(fam.buckets), [0.0, 0.0]))
-            for i, b in enumerate(fam.buckets):
-                if value <= b:
-                    counts[i] += 1
-                    break
-            agg[0] += value
-            agg[1] += 1
+        h = self._metric(name, lambda ln: Histogram(name, help_, ln, registry=self.registry,
+                                                    buckets=tuple(sorted(buckets))), labels)
+        assert isinstance(h, Histogram)
+        h.observe(value)
 
     def since(self, name: str, help_: str, when: float, **labels: str) -> None:
-        with self._lock:
-            fam = self._family(name, lambda: _Age(name, help_))
-            assert isinstance(fam, _Age)
-            fam.since[self._key(labels)] = when
+        names = tuple(sorted(labels))
+        with self._ages.lock:
+            fam = self._ages.families.setdefault(name, (help_, names, {}))
+            fam[2][tuple(str(labels[k]) for k in fam[1])] = when
 
     def value(self, name: str, **labels: str) -> float | None:
         """A counter's or gauge's current value (for tests and summaries)."""
-        with self._lock:
-            fam = self._families.get(name)
-            if isinstance(fam, _Values):
-                return fam.values.get(self._key(labels))
-            return None
+        v = self.registry.get_sample_value(name, {k: str(v) for k, v in labels.items()})
+        return None if v is None else float(v)
 
     def render(self) -> str:
-        now = self.clock()
-        out: list[str] = []
-        with self._lock:
-            for name in sorted(self._families):
-                fam = self._families[name]
-                out.append(f"# HELP {name} {fam.help}")
-                out.append(f"# TYPE {name} {fam.kind}")
-                out.extend(fam.lines(now))
-        return "\n".join(out) + "\n"
+        return generate_latest(self.registry).decode()
 
     def clear(self) -> None:
         with self._lock:
-            self._families.clear()
+            for m in self._metrics.values():
+                self.registry.unregister(m)
+            self._metrics.clear()
+        with self._ages.lock:
+            self._ages.families.clear()
 
 
 REGISTRY = Registry()
@@ -271,7 +217,7 @@ class MetricsServer:
                     return
                 body = reg.render().encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -6,11 +6,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+Progress = Callable[[str, str, float | None], None]
+"""How a snapshot or a restore reports its phases as they go: (phase, "start" | "done" | "failed", seconds)."""
+
 
 class Phases:
     """Ordered phase durations in seconds, with an optional progress callback per phase."""
 
-    def __init__(self, progress: Callable[[str, str, float | None], None] | None = None) -> None:
+    def __init__(self, progress: Progress | None = None) -> None:
         self.durations: dict[str, float] = {}
         self._progress = progress
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent.interceptor import MAX_PEERS, CommSlot, Rebuild, SlotState, WaitKind
 from cryosleep.coordinator.client import AgentRunner, Registration
 from cryosleep.coordinator.machine import PHASE_OF
 from cryosleep.coordinator.protocol import Command, Op, ident_hex, targets_from_json, view_to_json
+from cryosleep.core.interceptor import MAX_PEERS, CommSlot, Rebuild, SlotState, WaitKind
 from cryosleep.cut.rules import RankView
 from cryosleep.errors import CaptureFailed, NotEligible
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from cryosleep.agent.interceptor import CommSlot
 from cryosleep.cli.main import main
 from cryosleep.coordinator.catalog import SCHEMA_VERSION, Catalog
 from cryosleep.coordinator.client import Http
@@ -19,14 +18,14 @@ from cryosleep.coordinator.protocol import (
     Command,
     Op,
     Result,
-    Unauthorized,
     targets_from_json,
     targets_to_json,
     view_from_json,
     view_to_json,
 )
+from cryosleep.core.interceptor import CommSlot
 from cryosleep.cut.rules import CommTarget, RankView
-from cryosleep.errors import Busy
+from cryosleep.errors import Busy, Unauthorized
 from tests.coordinator.helpers import Env, wait_for
 from tests.coordinator.sim import SimFaults
 
@@ -252,3 +251,23 @@ def test_restore_of_a_node_refuses_what_it_cannot_restore(env: Env, monkeypatch:
     assert err["error"] == "usage" and "has no node 5" in err["what"] and "[0, 1]" in err["why"]
     assert main(["restore", good["id"], "--coordinator", env.url, "--json"]) == 2
     assert "--node-rank" in json.loads(capsys.readouterr().out)["hint"]
+
+
+def test_a_restored_agent_brings_a_damaged_job_back_to_running(tmp_path: Path) -> None:
+    """A restarted coordinator's recovery that could not roll back the dead one's snapshot ends the job and marks it
+    damaged; when that comes after the job was restored from its last verified snapshot but before the restored
+    agents registered (a busy machine), their registration says the job runs again. The same agent polling again
+    (its own incarnation) does not."""
+    cat = Catalog(tmp_path / "c.db")
+
+    def register(incarnation: str) -> None:
+        cat.register(agent_id="j@0", job="j", nnodes=1, node_rank=0, incarnation=incarnation, hostname="h",
+                     address="a", ranks=[0], facts={}, spec={})
+
+    register("old")
+    cat.set_job_state("j", "damaged")
+    register("old")
+    assert cat.job("j")["state"] == "damaged"
+    register("restored")
+    assert cat.job("j")["state"] == "running"
+    cat.close()

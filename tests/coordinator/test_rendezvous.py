@@ -10,9 +10,8 @@ import pytest
 
 from cryosleep.agent import coordinated
 from cryosleep.agent.coordinated import RestoreRendezvous
-from cryosleep.agent.interceptor import InterceptorError
 from cryosleep.coordinator import rendezvous
-from cryosleep.errors import NotEligible, UsageError
+from cryosleep.errors import InterceptorError, NotEligible, UsageError
 from tests.coordinator.helpers import Env
 
 
@@ -229,3 +228,25 @@ def test_the_restore_barrier_hands_each_node_the_others_underlay(env: Env) -> No
         t.join(30)
         assert out == [None], out
     assert rvs[0].peers == ["10.9.3.2"] and rvs[1].peers == ["10.9.3.1"]
+
+
+def test_a_restored_node_keeps_the_peers_of_its_barrier_until_they_had_the_time_to_post(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 restored, its peer learned at the barrier and applied; node 1, restored a moment later, has on the
+    board only its old run's entry, stale: node 0's first round must not drop it from the overlay (the job's TCP
+    between the nodes would stall until node 1 posts again, NET_REPOST_S later)."""
+    old = net_peers(env, "run4", 1, 2, "10.9.5.2", lambda _p: None)
+    old.round()  # the run before the snapshot
+    monkeypatch.setattr(coordinated, "NET_FRESH_S", 0.3)
+    time.sleep(0.5)  # ... long ago
+    applied: list[list[str]] = []
+    n = coordinated.NetPeers(env.client(), "run4", 0, 2, "10.9.5.1", applied.append, lambda _m: None,
+                             known=["10.9.5.2"])
+    n.wait_s = 0.0
+    n.since = time.monotonic() + 10  # within its grace (NET_FRESH_S after it started)
+    assert n.round() == ([], 0)  # the board alone would say: no peer
+    n.step()
+    assert applied == []  # the barrier's peer is kept, the overlay untouched
+    n.since = time.monotonic() - 10  # past the grace, a peer that never posts is dropped as before
+    n.step()
+    assert applied == [[]]

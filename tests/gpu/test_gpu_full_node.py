@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from tests.gpu.test_gpu_cycle import gpu_count
 from tests.jobs.coordinated import Coordinator
 from tests.jobs.harness import reference, workload

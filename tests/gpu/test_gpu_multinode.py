@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from tests.gpu.test_gpu_cycle import WORKLOAD, gpu_count
 from tests.jobs.coordinated import Coordinator
 from tests.jobs.harness import reference

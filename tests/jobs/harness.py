@@ -12,11 +12,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent import proctree
-from cryosleep.agent.job import JobDir
+from cryosleep.core import proctree
+from cryosleep.core.job import JobDir
 from cryosleep.net import sandbox as net_sandbox
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
@@ -79,13 +80,15 @@ def reference(script: Path, args: list[str], nproc: int = 2) -> dict[int, list[s
 
 
 class Harness:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: what every CLI call runs under (``nsenter`` into a simulated host's namespace)."""
         self.home = home
         self.env = dict(os.environ)
+        self.prefix = list(prefix)
 
     def cli(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "cryosleep.cli.main", *args]
+        cmd = [*self.prefix, sys.executable, "-m", "cryosleep.cli.main", *args]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env or self.env, timeout=timeout,
                              check=False)
         if check and res.returncode != 0:
@@ -165,3 +168,90 @@ class Harness:
     def ls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = self.cli_json("ls")
         return out
+
+
+def assert_identical(h: Harness, name: str, script: Path, args: list[str], ranks: list[int]) -> None:
+    """Each of ``ranks``' loss lines in job ``name`` equal the same script's under plain torchrun, bit for bit."""
+    ref = reference(script, args)
+    for r in ranks:
+        got = h.losses(name, r)
+        assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(
+            next((i for i, (a, b) in enumerate(zip(got, ref[r], strict=False)) if a != b), min(len(got), len(ref[r]))))
+
+
+def keep_stop_restore(h: Harness, name: str, script: Path, args: list[str], hold: Path, hold_at: int = 10,
+                      ranks: tuple[int, ...] = (0, 1), start_timeout: float = 900) -> dict[str, Any]:
+    """The cycle a workload goes through unchanged: started by ``cryosleep run``, a keep-running snapshot once it
+    trains (``start_timeout`` for its first step: only a hang guard, a framework's imports and inductor's compiles
+    take minutes on a busy machine), a stop snapshot a step later, a restore of that, run to its end; every rank's
+    losses equal to plain torchrun's. The workload
+    takes ``--hold FILE --hold-at K`` (it waits after step K, in the middle of its run, until FILE exists): the stop
+    snapshot catches it still training however slow the machine is, and the restored job trains on from there.
+    Returns the stop snapshot's summary."""
+    args = [*args, "--hold", str(hold), "--hold-at", str(hold_at)]
+    h.run(name, script, args)
+    h.wait_step(name, 1, timeout=start_timeout)
+    keep = h.snapshot(name)
+    assert keep["mode"] == "keep-running" and h.state(name) == "running", keep
+    h.wait_step(name, min(int(h.losses(name)[-1].split()[0]) + 1, hold_at), timeout=start_timeout)
+    stop = h.snapshot(name, "--stop")
+    assert stop["mode"] == "stop", stop
+    assert h.wait_end(name) == 75, h.job(name).read()[1].detail
+    stopped_at = len(h.losses(name))
+    hold.touch()
+    h.restore(stop["snapshot"])
+    assert h.wait_end(name) == 0, h.job(name).read()[1].detail
+    assert_identical(h, name, script, args, list(ranks))
+    assert stopped_at < len(h.losses(name)), "the job had ended before its stop snapshot: nothing was restored"
+    return stop
+
+
+# -- faults at moments of a dump (tests/jobs/test_criu_faults.py, bench/chaos.py) ---------------------------
+
+
+def _proc_bytes(pid: str, what: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{what}").read_bytes()
+    except OSError:
+        return b""
+
+
+def criu_dumps(store: str | Path) -> list[int]:
+    """The CRIU dumps (and what they forked) writing into ``store``: their PIDs, in /proc order."""
+    key = str(store).encode()
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            argv = _proc_bytes(d, "cmdline").split(b"\0")
+            if b"dump" in argv and any(key in a for a in argv):
+                out.append(int(d))
+    return out
+
+
+def in_post_dump(store: str | Path) -> bool:
+    """True while CRIU's post-dump action (cryosleep's hook) runs for a dump into ``store``: the tree is frozen,
+    its images written, its network locked and its sockets in TCP repair mode."""
+    key = str(store).encode()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            env = _proc_bytes(d, "environ")
+            if b"CRTOOLS_SCRIPT_ACTION=post-dump" in env and key in env:
+                return True
+    return False
+
+
+def lock_tables() -> list[str]:
+    """The CRIU network lock tables of the host's network namespace (``family name``)."""
+    from cryosleep.capture import criu_install, netlock
+
+    nft = criu_install.locate().nft_argv
+    return [f"{f} {n}" for f, n in netlock.tables(nft)] if nft else []
+
+
+def tables_of(log: str | Path) -> list[str]:
+    """The lock tables left of the CRIU run whose log is ``log``."""
+    from cryosleep.capture import criu, netlock
+
+    rid = criu.run_id(Path(log))
+    return [t for t in lock_tables() if rid and netlock.of_run(t.split()[1], rid)]
+

@@ -14,26 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_criu
-from tests.jobs.harness import Harness, reference, workload
+from tests.jobs.harness import Harness, assert_identical, reference, workload
 
 pytestmark = pytest.mark.slow
 
 BASIC = ["--steps", "40", "--step-sleep", "0.05"]
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
-
-
-def assert_identical(h: Harness, name: str, script: Path, args: list[str], ranks: list[int]) -> None:
-    ref = reference(script, args)
-    for r in ranks:
-        got = h.losses(name, r)
-        assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(
-            next((i for i, (a, b) in enumerate(zip(got, ref[r], strict=False)) if a != b), min(len(got), len(ref[r]))))
 
 
 def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness) -> None:
@@ -71,9 +56,13 @@ def test_dropout_lr_schedule_and_dataloader_workers(h: Harness, workers: int) ->
     assert_identical(h, name, script, args, [0])
 
 
-def test_many_snapshots_stop_restore_twice(h: Harness) -> None:
+def test_many_snapshots_stop_restore_twice(h: Harness, tmp_path: Path) -> None:
     script = workload("ddp_basic")
-    args = ["--steps", "60", "--step-sleep", "0.05"]
+    # The job waits after its last step until the test lets it end: on a loaded machine a keep-running snapshot
+    # takes seconds (CRIU's dump, then the checksum while the job runs on), and 60 steps of 0.05 s were all done
+    # before the third snapshot, which then found no job.
+    linger = tmp_path / "linger"
+    args = ["--steps", "60", "--step-sleep", "0.05", "--linger", str(linger)]
     h.run("many", script, args)
     for step in (5, 10, 15):
         h.wait_step("many", step)
@@ -87,6 +76,7 @@ def test_many_snapshots_stop_restore_twice(h: Harness) -> None:
     assert h.wait_end("many") == 75
     restored = h.restore(s2["snapshot"])
     assert restored["restored_from"] == s2["snapshot"]
+    linger.touch()
     assert h.wait_end("many") == 0
     assert_identical(h, "many", script, args, [0, 1])
     snaps = h.ls()

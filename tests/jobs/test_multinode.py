@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.net import Host, job_net
 from tests.conftest import require_criu
 from tests.jobs.coordinated import Coordinator
@@ -35,7 +35,8 @@ from tests.jobs.harness import Harness, reference, workload
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--steps", "50", "--step-sleep", "0.05"]
+# long enough to outlive a keep-running snapshot and reach step 20 after it
+ARGS = ["--steps", "150", "--step-sleep", "0.05"]
 UNDERLAY = ("10.250.1.1", "10.250.1.2")
 
 
@@ -43,19 +44,9 @@ class HostHarness(Harness):
     """The harness, with every CLI call made from inside one simulated host's network namespace."""
 
     def __init__(self, home: Path, ns_pid: int, peer: str) -> None:
-        super().__init__(home)
+        super().__init__(home, prefix=proctree.nsenter_net(ns_pid))
         self.ns_pid = ns_pid
         self.peer = peer
-
-    def cli(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        cmd = [*proctree.nsenter_net(self.ns_pid), sys.executable, "-m", "cryosleep.cli.main",
-               *args]
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env or self.env, timeout=timeout, check=False)
-        if check and res.returncode != 0:
-            raise AssertionError(f"cryosleep {' '.join(args)} failed ({res.returncode}):\n"
-                                 f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-        return res
 
     def run_node(self, name: str, rank: int, port: int, coordinator: str) -> dict[str, Any]:
         out: dict[str, Any] = self.cli_json(

@@ -23,7 +23,7 @@ import pytest
 
 from cryosleep import paths
 from cryosleep.agent.control import ControlClient
-from cryosleep.agent.interceptor import ControlBlock
+from cryosleep.core.interceptor import ControlBlock
 from tests.conftest import require_criu
 from tests.jobs.harness import Harness, reference, workload
 
@@ -243,7 +243,7 @@ def test_refused_features_and_check(h: Harness, tmp_path: Path) -> None:
     """More than 64 live communicators: the interceptor flags it, `check --job` and the snapshot refuse with
     the reason before touching the job; a user's NCCL_NVLS_ENABLE is kept and warned about."""
     script = workload("nccl_dp")
-    args = args_for(tmp_path, 30, 0.05, "--extra-comms", "64")
+    args = [*lingering(tmp_path, 30), "--extra-comms", "64"]  # still there for check and snapshot under load
     h.env = dict(h.env, NCCL_NVLS_ENABLE="1")
     h.run("many", script, args)
     h.wait_step("many", 3)
@@ -255,6 +255,7 @@ def test_refused_features_and_check(h: Harness, tmp_path: Path) -> None:
     assert res.returncode == 1 and '"not_eligible"' in res.stdout and "more than 64 live communicators" in res.stdout
     err = json.loads(res.stdout)
     assert "drain" not in err["details"]["phases"]
+    (tmp_path / "linger").touch()
     assert h.wait_end("many") == 0
     assert_identical(h, "many", script, args_for(tmp_path, 30, 0, "--extra-comms", "64"), 2)
 

@@ -10,13 +10,11 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cryosleep.net import job_net
-from tests.conftest import require_criu
 from tests.jobs.harness import Harness, workload
 
 pytestmark = pytest.mark.slow
@@ -88,12 +86,6 @@ def serve(host: str) -> Iterator[Sink]:
     yield state["sink"]
     srv.shutdown()
     srv.server_close()
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
 
 
 def log_text(h: Harness, name: str, rank: int) -> str:

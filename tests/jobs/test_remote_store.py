@@ -16,12 +16,11 @@ import pytest
 
 from cryosleep.store.cas import ChunkStore
 from cryosleep.store.s3 import S3Backend
-from cryosleep.store.s3serve import S3Server
 from tests.conftest import require_criu
-from tests.jobs.harness import Harness, free_port, workload
-from tests.jobs.test_capture_restore import assert_identical
+from tests.jobs.harness import Harness, assert_identical, free_port, workload
 from tests.jobs.test_triggers import scrape
 from tests.store.conftest import new_bucket, require_radosgw, settings_of
+from tools.s3serve import S3Server
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +97,7 @@ def test_stop_to_s3_restore_from_s3_alone(h: Harness, srv: S3Server, tmp_path: P
     (f) a stop snapshot whose upload fails leaves the job running and says what failed."""
     script = workload("ddp_basic")
     linger = tmp_path / "linger"
-    args = ["--steps", "200", "--step-sleep", "0.12", "--linger", str(linger)]  # trains past the failed stop
+    args = ["--steps", "400", "--step-sleep", "0.12", "--linger", str(linger)]  # trains past the failed stop
     bucket = new_bucket(srv)
     url = f"s3://{bucket}/team/cryo"
     key = key_file(tmp_path / "job.key")

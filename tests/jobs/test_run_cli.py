@@ -4,20 +4,14 @@ environment, the job's exit code, a job record afterwards."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
-from pathlib import Path
+import time
 
 import pytest
 
-from tests.conftest import require_criu
 from tests.jobs.harness import Harness, workload
-
-
-@pytest.fixture
-def h(cryo_home: Path) -> Harness:
-    require_criu()
-    return Harness(cryo_home)
 
 
 def run_fg(h: Harness, *args: str) -> subprocess.CompletedProcess[str]:
@@ -36,8 +30,9 @@ def test_foreground_run_streams_ranks_and_returns_the_exit_code(h: Harness) -> N
     assert h.state("fg") == "exited"
 
     bad = run_fg(h, "--nproc-per-node", "2", "--name", "fg", str(workload("exit_code")), "3")
-    assert bad.returncode == 3
+    assert bad.returncode == 1  # as torchrun: the worker's own code is in the report and the job's record
     assert "failed with exit code 3" in bad.stderr and "rank 1: exit 3" in bad.stderr
+    assert "rank      : 1 (local_rank: 1)" in bad.stderr and "exitcode  : 3" in bad.stderr
     jobs = json.loads(h.cli("jobs", "--json").stdout)
     assert [(j["job"], j["state"], j["exit_code"]) for j in jobs] == [("fg", "failed", 3)]
     assert h.job("fg").rank_log(1).read_text().startswith("hello from rank 1")
@@ -48,3 +43,25 @@ def test_a_second_job_with_the_same_name_is_refused(h: Harness) -> None:
     res = run_fg(h, "--json", "--name", "twice", str(workload("exit_code")), "0")
     assert res.returncode == 2 and "already running" in res.stdout
     assert h.wait_end("twice") == 0
+
+
+@pytest.mark.parametrize(("sig", "listed"), [(signal.SIGUSR2, "SIGTERM,SIGUSR2"), (signal.SIGINT, "SIGTERM")])
+def test_signals_reach_the_workers_as_under_torchrun(h: Harness, sig: signal.Signals, listed: str) -> None:
+    """--signals-to-handle: the agent passes the signal itself on to the workers, as torchrun does."""
+    name = f"sig-{sig.name.lower()}"
+    p = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "run", "--signals-to-handle", listed,
+                          "--name", name, str(workload("signals"))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=h.env)
+    try:
+        end = time.monotonic() + 120
+        log = h.job(name).rank_log(0)
+        while not (log.exists() and log.read_text().startswith("ready")):
+            assert p.poll() is None and time.monotonic() < end, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    assert f"[rank0]: ready {listed}" in out and f"[rank0]: got {sig.name}" in out

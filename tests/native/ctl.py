@@ -1,14 +1,15 @@
 """The test's agent for the interceptor's own tests: the package's control-block reader/writer
-(``cryosleep.agent.interceptor``) and drive loop (``cryosleep.cut.driver``), with the short names and
+(``cryosleep.core.interceptor``) and drive loop (``cryosleep.cut.driver``), with the short names and
 fixed timeouts these tests use. There is one implementation of the protocol; this only adapts it."""
 
 from __future__ import annotations
 
 import time
 
-from cryosleep.agent.interceptor import BLOCK_SIZE, Cmd, ControlBlock, InterceptorError, Rebuild, State
+from cryosleep.core.interceptor import BLOCK_SIZE, Cmd, ControlBlock, Rebuild, State
 from cryosleep.cut.driver import Driver
 from cryosleep.cut.rules import CommTarget, Decision
+from cryosleep.errors import InterceptorError
 
 __all__ = ["BLOCK_SIZE", "CMD_QUIESCE", "REBUILD_ID", "REBUILD_SPLIT", "ST_HOLDING", "ST_QUIESCED", "Agent",
            "CommTarget", "Ctl", "CtlError"]

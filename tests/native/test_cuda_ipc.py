@@ -15,7 +15,7 @@ from pathlib import Path
 
 from nccl_jobs import INTERCEPTOR, STANDIN, WORKLOADS
 
-from cryosleep.agent.interceptor import ControlBlock, flag_reasons
+from cryosleep.core.interceptor import ControlBlock, flag_reasons
 
 CUDA_IPC = 0x200
 

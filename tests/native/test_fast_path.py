@@ -23,7 +23,7 @@ import pytest
 from fakecuda.build import build
 from nccl_jobs import INTERCEPTOR, STANDIN, WORKLOADS
 
-from cryosleep.agent.interceptor import ControlBlock, State
+from cryosleep.core.interceptor import ControlBlock, State
 from cryosleep.cut.driver import Driver
 
 SIZE = 4 << 20  # above the 1 MiB from which cudaMalloc is served by the interceptor

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 
 from cryosleep.agent.agent import worker_env
-from cryosleep.agent.job import JobSpec
 from cryosleep.cli.jobs import build_spec
-from cryosleep.cli.main import parser
+from cryosleep.cli.main import parse
+from cryosleep.core.job import JobSpec
 from cryosleep.errors import UsageError
 from cryosleep.net import job_net
 
 
 def spec_of(*argv: str) -> JobSpec:
-    return build_spec(parser().parse_args(["run", *argv]))
+    return build_spec(parse(["run", *argv]))
 
 
 def test_multi_node_job_network_spec(tmp_path: Path) -> None:
@@ -36,13 +36,14 @@ def test_multi_node_job_network_spec(tmp_path: Path) -> None:
     one = spec_of("--net", "job", str(script))
     assert one.name == "train" and one.net["address"] == one.master_addr
     host = spec_of(str(script))
-    assert host.net == {} and host.master_addr == "127.0.0.1"  # the host's network, as before
+    assert host.net == {} and host.master_addr == "localhost"  # the host's network; torchrun's default rendezvous
+    static = spec_of("--nnodes", "2", "--net", "job", "--run-id", "r", str(script))
+    assert static.master_port == 29500  # torchrun's static rendezvous: the same default port on every node
 
 
 @pytest.mark.parametrize(("args", "match"), [
     (["--nnodes", "2", "--run-id", "r", "--master-port", "1"], "needs the job network"),
-    (["--nnodes", "2", "--net", "job", "--master-port", "1"], "needs --run-id"),
-    (["--nnodes", "2", "--net", "job", "--run-id", "r"], "needs --master-port"),
+    (["--nnodes", "2", "--net", "job", "--master-port", "1"], "needs --rdzv-id"),
     (["--nnodes", "2", "--node-rank", "2", "--net", "job", "--run-id", "r", "--master-port", "1"], "node rank"),
 ])
 def test_bad_multi_node_input(tmp_path: Path, args: list[str], match: str) -> None:

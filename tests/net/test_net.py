@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.errors import UsageError
 from cryosleep.net import Host, JobNet, NetError, host_end_name, job_net, node_address
 from cryosleep.net import sandbox as net_sandbox

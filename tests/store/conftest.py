@@ -13,7 +13,7 @@ import pytest
 from cryosleep.errors import CryosleepError
 from cryosleep.store.backend import Backend, LocalBackend
 from cryosleep.store.s3 import S3Backend
-from cryosleep.store.s3serve import S3Server, locate
+from tools.s3serve import S3Server, locate
 
 # Resolved before any test moves CRYOSLEEP_HOME: the gateway that `make setup` installed.
 try:
@@ -80,6 +80,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
 def _no_key_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No key or AWS setting of the machine leaks into a test."""
     for var in list(os.environ):
-        if var.startswith(("CRYOSLEEP_KEY", "AWS_")) or var == "CRYOSLEEP_S3_ENDPOINT":
+        if var.startswith(("CRYOSLEEP_KEY", "CRYOSLEEP_SIGN_KEY", "AWS_")) or var == "CRYOSLEEP_S3_ENDPOINT":
             monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("CRYOSLEEP_HOME", str(tmp_path / "home"))

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from cryosleep.errors import ChunkCorrupt, WrongKey
 from cryosleep.store.backend import Backend
-from cryosleep.store.cas import ChunkCorrupt, ChunkStore, WrongKey, chunk_name
+from cryosleep.store.cas import ChunkStore, chunk_name
 from cryosleep.store.chunking import ChunkSpec
 from cryosleep.store.crypto import JobKey
 
@@ -152,7 +153,7 @@ def test_backend_contract(backend: Backend) -> None:
     backend.delete("snapshots/a.json")
     backend.delete("snapshots/a.json")  # twice: not an error
     assert backend.stat("snapshots/a.json") is None and not backend.exists("snapshots/a.json")
-    from cryosleep.store.backend import ObjectNotFound
+    from cryosleep.errors import ObjectNotFound
 
     with pytest.raises(ObjectNotFound):
         backend.get("snapshots/a.json")

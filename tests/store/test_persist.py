@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from cryosleep.errors import CaptureFailed, UsageError
+from cryosleep.errors import CaptureFailed, ChunkCorrupt, UsageError, WrongKey
 from cryosleep.store import persist
 from cryosleep.store.backend import Backend, ObjectInfo
-from cryosleep.store.cas import ChunkCorrupt, WrongKey, chunk_name
+from cryosleep.store.cas import chunk_name
 from cryosleep.store.local import LocalStore, hash_tree
 from cryosleep.store.manifest import Manifest, NodeImage
 

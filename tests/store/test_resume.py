@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from cryosleep.store.backend import BackendError
+from cryosleep.errors import BackendError
 from cryosleep.store.cas import ChunkStore
 from cryosleep.store.chunking import ChunkSpec
 from cryosleep.store.s3 import S3Backend
-from cryosleep.store.s3serve import S3Server
+from tools.s3serve import S3Server
 
 from .conftest import new_bucket, settings_of
 from .helpers import image_bytes, write

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from cryosleep.cli.jobs import build_spec
-from cryosleep.cli.main import main, parser
+from cryosleep.cli.main import main, parse
 from cryosleep.errors import Busy, CryosleepError, NotFound, UsageError, from_json
 
 
 def spec_of(*argv: str):  # type: ignore[no-untyped-def]
-    return build_spec(parser().parse_args(["run", *argv]))
+    return build_spec(parse(["run", *argv]))
 
 
 def test_torchrun_style_options_and_script_args(tmp_path: Path) -> None:

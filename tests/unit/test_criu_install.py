@@ -27,8 +27,10 @@ import pytest
 
 from cryosleep import paths
 from cryosleep.capture import criu_install as ci
-from cryosleep.errors import CriuUnavailable, CryosleepError, IprouteUnavailable
-from cryosleep.net.host import Host, NetError
+from cryosleep.core import debs, toolprefix
+from cryosleep.errors import CriuUnavailable, CryosleepError, IprouteUnavailable, NetError
+from cryosleep.net import tools as net_tools
+from cryosleep.net.host import Host
 
 needs_apt = pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs apt-get to download packages")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="criu check needs root")
@@ -97,7 +99,7 @@ def _rewrite_bundle(src: Path, dst: Path, edit: dict[str, bytes]) -> None:
 
 
 def test_lock_pins_criu_nft_and_iproute2_closure() -> None:
-    lock = ci.load_lock()
+    lock = toolprefix.load_lock()
     names = {p.name for p in lock.packages}
     assert lock.suite == "unstable"
     assert lock.criu_version == "4.2.1-1"
@@ -108,18 +110,18 @@ def test_lock_pins_criu_nft_and_iproute2_closure() -> None:
     for p in lock.packages:
         assert len(p.sha256) == 64 and p.size > 0
         assert p.filename.startswith("pool/") and p.basename.endswith(".deb")
-    raw = json.loads(ci.LOCK_PATH.read_text())
+    raw = json.loads(toolprefix.LOCK_PATH.read_text())
     assert set(raw) >= {"suite", "criu_version", "packages"}
     assert set(raw["packages"][0]) == {"name", "version", "filename", "sha256", "size"}
 
 
 def test_bundle_holds_lock_and_every_deb(bundle: Path) -> None:
-    lock = ci.load_lock()
+    lock = toolprefix.load_lock()
     with tarfile.open(bundle) as tar:
         names = set(tar.getnames())
         f = tar.extractfile(ci.LOCK_MEMBER)
         assert f is not None
-        assert ci.parse_lock(json.load(f), "bundle").digest == lock.digest
+        assert toolprefix.parse_lock(json.load(f), "bundle").digest == lock.digest
     assert names == {ci.LOCK_MEMBER} | {p.basename for p in lock.packages}
 
 
@@ -136,8 +138,8 @@ def test_install_from_bundle_then_locate(
     prefix = paths.criu_root() / "4.2.1-1"
     assert criu.source == "prefix" and criu.prefix == prefix
     assert any(s.startswith("criu check: Looks good") for s in said), said
-    marker = json.loads((prefix / ci.MARKER_NAME).read_text())
-    assert marker["lock_sha256"] == ci.load_lock().digest
+    marker = json.loads((prefix / debs.MARKER_NAME).read_text())
+    assert marker["lock_sha256"] == toolprefix.load_lock().digest
     assert not [p for p in paths.criu_root().iterdir() if p.name.startswith(".install-")]
 
     found = ci.locate()
@@ -159,7 +161,7 @@ def test_install_from_bundle_then_locate(
 def test_reinstall_is_idempotent_and_force_replaces(bundle: Path) -> None:
     first = ci.install(bundle=bundle)
     assert first.prefix is not None
-    marker = first.prefix / ci.MARKER_NAME
+    marker = first.prefix / debs.MARKER_NAME
     inode = marker.stat().st_ino
     said: list[str] = []
     t0 = time.monotonic()
@@ -221,29 +223,29 @@ def test_prefix_ip_runs_and_stands_in_for_a_missing_system_ip(
 ) -> None:
     criu = ci.install(bundle=bundle)
     assert criu.prefix is not None
-    wrapper = criu.prefix / ci.WRAPPERS_DIR / "ip"
+    wrapper = criu.prefix / net_tools.WRAPPERS_DIR / "ip"
     version = subprocess.run([str(wrapper), "-V"], capture_output=True, text=True, env={}, check=False)
     assert version.returncode == 0 and "iproute2-" in version.stdout, version.stderr
     assert "lo" in {x["ifname"] for x in _ip_json([str(wrapper)], "link", "show")}
-    assert isinstance(_ip_json([str(criu.prefix / ci.WRAPPERS_DIR / "bridge")], "link", "show"), list)
+    assert isinstance(_ip_json([str(criu.prefix / net_tools.WRAPPERS_DIR / "bridge")], "link", "show"), list)
 
     # A system ip on PATH wins (a link to the wrapper stands for it, so that this runs on any machine).
     nsenter = TOOLS["nsenter"]
     system = _bin_dir(tmp_path, "system-bin", ip=wrapper, nsenter=nsenter)
     monkeypatch.setenv("PATH", str(system))
-    assert ci.iproute_argv("ip") == (str(system / "ip"),)
-    assert ci.ip_tool() == str(system / "ip") == criu.env()["CR_IP_TOOL"]
+    assert net_tools.iproute_argv("ip") == (str(system / "ip"),)
+    assert net_tools.ip_tool() == str(system / "ip") == criu.env()["CR_IP_TOOL"]
 
     # No ip on PATH: the prefix's, run through the prefix's loader exactly like its criu.
     bare = _bin_dir(tmp_path, "bare-bin", nsenter=nsenter)
     monkeypatch.setenv("PATH", str(bare))
-    for tool in ci.IPROUTE_TOOLS:
-        argv = ci.iproute_argv(tool)
+    for tool in net_tools.IPROUTE_TOOLS:
+        argv = net_tools.iproute_argv(tool)
         assert argv[:3] == criu.argv[:3] and Path(argv[3]).name == tool
         assert Path(argv[3]).is_relative_to(criu.prefix)
-    addrs = _ip_json(ci.iproute_argv("ip"), "addr", "show", "lo")
+    addrs = _ip_json(net_tools.iproute_argv("ip"), "addr", "show", "lo")
     assert "127.0.0.1" in {a["local"] for link in addrs for a in link["addr_info"]}
-    assert ci.ip_tool() == str(wrapper) == criu.env()["CR_IP_TOOL"]
+    assert net_tools.ip_tool() == str(wrapper) == criu.env()["CR_IP_TOOL"]
     assert criu.env({"CR_IP_TOOL": "/opt/ip"})["CR_IP_TOOL"] == "/opt/ip"  # the user's choice is kept
 
     # The job network code runs it the same way, also inside another namespace (through nsenter).
@@ -265,7 +267,7 @@ def test_criu_dumps_and_restores_a_netns_with_the_prefix_ip(
     criu = ci.install(bundle=bundle)
     assert criu.prefix is not None
     monkeypatch.setenv("PATH", str(_bin_dir(tmp_path, "bare-bin", nsenter=TOOLS["nsenter"])))
-    assert criu.env()["CR_IP_TOOL"] == str(criu.prefix / ci.WRAPPERS_DIR / "ip")
+    assert criu.env()["CR_IP_TOOL"] == str(criu.prefix / net_tools.WRAPPERS_DIR / "ip")
     images = tmp_path / "images"
     images.mkdir()
     proc, init = _netns_process("--pid", "--net", "--fork")
@@ -300,9 +302,9 @@ def test_criu_dumps_and_restores_a_netns_with_the_prefix_ip(
 
 def test_no_ip_anywhere_says_what_failed_and_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _empty_path(tmp_path, monkeypatch)
-    prefix = ci.load_lock().prefix_dir()
+    prefix = toolprefix.load_lock().prefix_dir()
     with pytest.raises(IprouteUnavailable) as info:
-        ci.iproute_argv("ip")
+        net_tools.iproute_argv("ip")
     e = info.value
     assert "ip" in e.what and "no ip on PATH" in e.why and str(prefix) in e.why
     assert "cryosleep criu install" in e.hint and "--bundle" in e.hint and "iproute2" in e.hint
@@ -310,20 +312,20 @@ def test_no_ip_anywhere_says_what_failed_and_what_to_do(tmp_path: Path, monkeypa
         Host().links()
     assert net.value.what == "cannot list network interfaces"
     assert "no ip on PATH" in net.value.why and net.value.hint == e.hint
-    assert ci.ip_tool() is None
+    assert net_tools.ip_tool() is None
     assert "CR_IP_TOOL" not in ci.Criu(("criu",), None, "4.2.1", "system", None).env({})
     # A prefix installed from an older lock, without iproute2, is named as such.
     prefix.mkdir(parents=True)
-    (prefix / ci.MARKER_NAME).write_text("{}")
+    (prefix / debs.MARKER_NAME).write_text("{}")
     with pytest.raises(IprouteUnavailable, match="iproute2") as info:
-        ci.iproute_argv("bridge")
-    assert "older lock" in info.value.why and ci.ip_tool() is None
+        net_tools.iproute_argv("bridge")
+    assert "older lock" in info.value.why and net_tools.ip_tool() is None
 
 
 def test_tampered_deb_is_refused_and_nothing_installed(
     bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lock = ci.load_lock()
+    lock = toolprefix.load_lock()
     victim = next(p for p in lock.packages if p.name == "libc6")
     with tarfile.open(bundle) as tar:
         f = tar.extractfile(victim.basename)
@@ -348,20 +350,20 @@ def test_tampered_deb_is_refused_and_nothing_installed(
 
 
 def test_bundle_for_another_lock_is_refused(bundle: Path, tmp_path: Path) -> None:
-    raw = json.loads(ci.LOCK_PATH.read_text())
+    raw = json.loads(toolprefix.LOCK_PATH.read_text())
     raw["criu_version"] = "9.9.9-1"
     raw["packages"][0]["version"] = "9.9.9-1"
     other = tmp_path / "other.tar"
     _rewrite_bundle(bundle, other, {ci.LOCK_MEMBER: json.dumps(raw).encode()})
     with pytest.raises(CriuUnavailable, match="different lock"):
         ci.install(bundle=other)
-    assert not ci.load_lock().prefix_dir().exists()
+    assert not toolprefix.load_lock().prefix_dir().exists()
 
 
 def test_python_extraction_matches_dpkg(bundle: Path, tmp_path: Path) -> None:
     if shutil.which("dpkg-deb") is None:
         pytest.skip("needs dpkg-deb to compare with")
-    lock = ci.load_lock()
+    lock = toolprefix.load_lock()
     with tarfile.open(bundle) as tar:
         for name in ("libc6", "nftables"):
             basename = next(p.basename for p in lock.packages if p.name == name)
@@ -370,7 +372,7 @@ def test_python_extraction_matches_dpkg(bundle: Path, tmp_path: Path) -> None:
             for use_dpkg in (True, False):
                 dest = tmp_path / f"{name}-{use_dpkg}"
                 dest.mkdir()
-                ci._extract_deb(tmp_path / "debs" / basename, dest, use_dpkg=use_dpkg)
+                debs.extract_deb(tmp_path / "debs" / basename, dest, use_dpkg=use_dpkg)
                 trees.append(
                     sorted(
                         (str(p.relative_to(dest)), os.readlink(p) if p.is_symlink() else p.stat().st_size)
@@ -383,13 +385,13 @@ def test_python_extraction_matches_dpkg(bundle: Path, tmp_path: Path) -> None:
 
 @needs_apt
 def test_unserved_pinned_version_says_update_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    raw = json.loads(ci.LOCK_PATH.read_text())
+    raw = json.loads(toolprefix.LOCK_PATH.read_text())
     for p in raw["packages"]:
         if p["name"] == "criu":
             p["version"] = raw["criu_version"] = "0.0.1~cryosleep-test-1"
     gone = tmp_path / "gone.lock.json"
     gone.write_text(json.dumps(raw))
-    monkeypatch.setattr(ci, "LOCK_PATH", gone)
+    monkeypatch.setattr(toolprefix, "LOCK_PATH", gone)
     with pytest.raises(CriuUnavailable) as info:
         ci.install()
     msg = str(info.value)
@@ -400,12 +402,12 @@ def test_unserved_pinned_version_says_update_lock(tmp_path: Path, monkeypatch: p
 @needs_apt
 def test_update_lock_resolves_closure(tmp_path: Path) -> None:
     out = ci.update_lock(out=tmp_path / "new.lock.json")
-    new = ci.load_lock(out)
+    new = toolprefix.load_lock(out)
     names = {p.name for p in new.packages}
     assert {"criu", "nftables", "iproute2", "libc6", "libnftables1"} <= names
     assert new.suite == "unstable" and new.criu_version.startswith("4.")
     # The archive moves; the names of what criu + nft need move much more slowly.
-    assert names == {p.name for p in ci.load_lock().packages}
+    assert names == {p.name for p in toolprefix.load_lock().packages}
 
 
 # ----------------------------------------------------------------------------------------------- locate
@@ -469,7 +471,7 @@ def test_mirror_from_one_line_sources_list(tmp_path: Path) -> None:
         "http://mirror.invalid/debian/ bookworm main contrib  # trailing comment\n"
     )
     (etc / "sources.list.d" / "x.list.disabled").write_text("deb http://disabled.invalid/debian sid main\n")
-    m = ci.debian_mirror(etc)
+    m = debs.debian_mirror(etc)
     assert m.uri == "http://mirror.invalid/debian"
     assert m.origin == str(etc / "sources.list")
 
@@ -478,12 +480,12 @@ def test_mirror_one_line_without_signed_by_is_a_fallback(tmp_path: Path) -> None
     etc = tmp_path / "apt"
     (etc / "sources.list.d").mkdir(parents=True)
     (etc / "sources.list").write_text("deb http://unsigned.invalid/debian bullseye main\n")
-    assert ci.debian_mirror(etc).uri == "http://unsigned.invalid/debian"
+    assert debs.debian_mirror(etc).uri == "http://unsigned.invalid/debian"
     (etc / "sources.list.d" / "debian.list").write_text(
         "deb [ signed-by=/usr/share/keyrings/debian-archive-keyring.gpg ] "
         "http://mirror.invalid/debian sid main\n"
     )
-    assert ci.debian_mirror(etc).uri == "http://mirror.invalid/debian"
+    assert debs.debian_mirror(etc).uri == "http://mirror.invalid/debian"
 
 
 def test_mirror_from_deb822_sources(tmp_path: Path) -> None:
@@ -518,7 +520,7 @@ def test_mirror_from_deb822_sources(tmp_path: Path) -> None:
         "Types: deb\nURIs: http://inline.invalid/debian\nSuites: trixie\nSigned-By:\n"
         " -----BEGIN PGP PUBLIC KEY BLOCK-----\n .\n abc\n -----END PGP PUBLIC KEY BLOCK-----\n"
     )
-    m = ci.debian_mirror(etc)
+    m = debs.debian_mirror(etc)
     assert m.uri == "http://mirror.invalid/debian"
     assert m.origin == str(parts / "debian.sources")
 
@@ -528,10 +530,10 @@ def test_mirror_env_override_and_none_found(tmp_path: Path, monkeypatch: pytest.
     etc.mkdir()
     (etc / "sources.list").write_text("deb http://archive.invalid/ubuntu noble main\n")
     with pytest.raises(CriuUnavailable, match="Debian mirror") as info:
-        ci.debian_mirror(etc)
+        debs.debian_mirror(etc)
     assert "CRYOSLEEP_DEBIAN_MIRROR" in info.value.hint
     monkeypatch.setenv("CRYOSLEEP_DEBIAN_MIRROR", "http://override.invalid/debian/")
-    m = ci.debian_mirror(etc)
+    m = debs.debian_mirror(etc)
     assert m.uri == "http://override.invalid/debian" and m.origin == "$CRYOSLEEP_DEBIAN_MIRROR"
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cryosleep.agent.interceptor import CommSlot, Rebuild, SlotState, WaitKind
+from cryosleep.core.interceptor import CommSlot, Rebuild, SlotState, WaitKind
 from cryosleep.cut import Action, CommTarget, RankView, cut_problems, decide, max_targets, relay_plan, stuck_ranks
 
 

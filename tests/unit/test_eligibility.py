@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cryosleep import eligibility
+from cryosleep.capture import eligibility
 
 IO_URING = """
 import ctypes, time

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cryosleep import paths
-from cryosleep.agent import proctree
 from cryosleep.agent.agent import become_subreaper
+from cryosleep.core import proctree
 from tests.conftest import wait_exit
 
 INIT = paths.native_dir() / "cryosleep-init"
@@ -66,6 +66,41 @@ def test_sigterm_is_forwarded(tmp_path: Path) -> None:
         time.sleep(0.02)
     os.kill(init, 15)
     assert wait_exit(init) == 128 + 15
+
+
+def _pending(pid: int) -> int:
+    """The signals pending for ``pid`` (its own and its thread group's), as a mask."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+
+
+def test_the_term_shield_drops_a_schedulers_sigterm_and_lets_the_agents_through(tmp_path: Path) -> None:
+    """With CRYOSLEEP_TERM_SHIELD=1 (the agent owns SIGTERM), a SIGTERM to every process of the sandbox, as Slurm
+    sends it, neither ends a worker nor is forwarded by the init; the agent's marked SIGTERM is, and ends them."""
+    code = "import time\nfor i in range(100000):\n    print('tick', i, flush=True); time.sleep(0.05)\n"
+    lib = paths.native_dir() / "libcryosleep_nccl.so"
+    init = spawn(tmp_path, 1, code, {"CRYOSLEEP_TERM_SHIELD": "1", "LD_PRELOAD": str(lib)})
+    log = tmp_path / "rank-4.log"
+
+    def ticks() -> int:
+        return log.read_text().count("tick") if log.exists() else 0
+
+    end = time.monotonic() + 60
+    while ticks() < 2:
+        assert time.monotonic() < end, "the worker did not start"
+        time.sleep(0.02)
+    [worker] = proctree.children(init)
+    for pid in (init, worker):  # Slurm's scancel: SIGTERM to every process it tracks
+        os.kill(pid, 15)
+    while any(_pending(p) & (1 << 14) for p in (init, worker) if proctree.alive(p)):
+        time.sleep(0.01)  # delivered (to the shield's handler, or fatally)
+    seen = ticks()
+    while ticks() <= seen + 1:  # the worker goes on printing after it
+        assert proctree.alive(worker) and time.monotonic() < end, "the scheduler's SIGTERM ended the worker"
+        time.sleep(0.02)
+    proctree.send_marked(init, 15)  # the agent's: forwarded, and obeyed
+    assert wait_exit(init) == 128 + 15
+    assert (tmp_path / "rank-4.exit").read_text() == "signal 15\n"
 
 
 def test_bad_usage() -> None:

@@ -1,4 +1,4 @@
-"""The control block's Python reader/writer (cryosleep.agent.interceptor) against its C form and on files."""
+"""The control block's Python reader/writer (cryosleep.core.interceptor) against its C form and on files."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cryosleep import eligibility
-from cryosleep.agent import interceptor as ic
-from cryosleep.agent.interceptor import BLOCK_SIZE, Cmd, ControlBlock, InterceptorError, State, attach_published
+from cryosleep.capture import eligibility
+from cryosleep.core import interceptor as ic
+from cryosleep.core.interceptor import BLOCK_SIZE, Cmd, ControlBlock, State, attach_published
+from cryosleep.errors import InterceptorError
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "nccl" / "interceptor" / "ctl_block.h"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cryosleep.agent.job import JobDir, JobSpec, JobState
+from cryosleep.core.job import JobDir, JobSpec, JobState
 from cryosleep.errors import UsageError
 
 HOLD = """

@@ -13,7 +13,7 @@ import pytest
 
 from cryosleep import paths
 from cryosleep.agent.agent import become_subreaper, interceptor_lib, worker_env
-from cryosleep.agent.job import JobDir, JobSpec
+from cryosleep.core.job import JobDir, JobSpec
 
 INIT = paths.native_dir() / "cryosleep-init"
 
@@ -45,12 +45,13 @@ def test_old_specs_without_the_field_get_the_interceptor() -> None:
     assert JobSpec.from_json(data).interceptor
 
 
-def test_init_gives_each_worker_its_own_control_file(tmp_path: Path) -> None:
+def test_init_gives_each_worker_its_own_control_file_and_error_file(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("PID namespaces need root")
     become_subreaper()
-    code = "import os; print(os.environ['CRYOSLEEP_NCCL_CTL'])"
-    env = dict(os.environ, CRYOSLEEP_NCCL_CTL=str(tmp_path / "ctl" / "{rank}-of-rank-{rank}.ctl"))
+    code = "import os; print(os.environ['CRYOSLEEP_NCCL_CTL'], os.environ['TORCHELASTIC_ERROR_FILE'])"
+    env = dict(os.environ, CRYOSLEEP_NCCL_CTL=str(tmp_path / "ctl" / "{rank}-of-rank-{rank}.ctl"),
+               TORCHELASTIC_ERROR_FILE=str(tmp_path / "rank-{rank}.error.json"))
     res = subprocess.run([str(INIT), "--spawn", "-n", "2", "-b", "6", "-l", str(tmp_path), "--", sys.executable,
                           "-c", code], capture_output=True, text=True, check=True, env=env)
     init = int(res.stdout)
@@ -62,4 +63,20 @@ def test_init_gives_each_worker_its_own_control_file(tmp_path: Path) -> None:
         time.sleep(0.02)
     for rank in (6, 7):
         want = tmp_path / "ctl" / f"{rank}-of-rank-{rank}.ctl"
-        assert (tmp_path / f"rank-{rank}.log").read_text().strip() == str(want)
+        assert (tmp_path / f"rank-{rank}.log").read_text().split() == [str(want),
+                                                                        str(tmp_path / f"rank-{rank}.error.json")]
+
+
+def test_worker_env_has_torchruns_elastic_variables(tmp_path: Path) -> None:
+    job = JobDir("j", tmp_path)
+    s = spec({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+    s.rdzv_id, s.role, s.signals_to_handle = "none", "trainer", "SIGTERM,SIGUSR2"
+    env = worker_env(s, job.ctl, error_file=job.logs / "rank-{rank}.error.json")
+    assert env["TORCHELASTIC_RUN_ID"] == "none" and env["ROLE_NAME"] == "trainer"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # the store is rank 0's, inside the captured tree
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's, as torchrun keeps it
+    assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR2"
+    assert env["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "j" / "logs" / "rank-{rank}.error.json")
+    d = worker_env(spec({}))
+    assert d["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and d["ROLE_NAME"] == "default"
+    assert "TORCHELASTIC_ERROR_FILE" not in d

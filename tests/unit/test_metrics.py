@@ -1,4 +1,5 @@
-"""The Prometheus text exposition, written by hand: its format, and scraping it over HTTP."""
+"""The agent's Prometheus metrics (kept by prometheus_client): their names, types, labels and values as
+Prometheus's own parser reads them, and scraping them over HTTP."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cryosleep import metrics
 from cryosleep.metrics import MetricsServer, Registry
@@ -16,9 +18,14 @@ SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\
                     r"(-?[0-9.e+-]+|\+Inf|-Inf|NaN)$")
 
 
+def _le(v: str) -> str:
+    f = float(v)
+    return v if f == float("inf") else (str(int(f)) if f.is_integer() else repr(f))
+
+
 def check_format(text: str) -> dict[str, float]:
-    """Every line is a HELP, a TYPE or a sample; returns the samples."""
-    out: dict[str, float] = {}
+    """Every line is a HELP, a TYPE or a sample, and Prometheus's parser reads the whole text; returns the
+    samples as the parser sees them, keyed ``name{labels}`` (labels sorted, ``le`` last as a number)."""
     typed: set[str] = set()
     for line in text.splitlines():
         if line.startswith("# HELP "):
@@ -29,9 +36,16 @@ def check_format(text: str) -> dict[str, float]:
             typed.add(name)
             continue
         assert SAMPLE.match(line), f"not a sample line: {line!r}"
-        key, value = line.rsplit(" ", 1)
-        out[key] = float(value)
     assert text.endswith("\n")
+    out: dict[str, float] = {}
+    kinds: dict[str, str] = {}
+    for fam in text_string_to_metric_families(text):
+        kinds[fam.name] = fam.type
+        for s in fam.samples:
+            labels = [f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "le"]
+            labels += [f'le="{_le(s.labels["le"])}"'] if "le" in s.labels else []
+            out[s.name + ("{" + ",".join(labels) + "}" if labels else "")] = s.value
+    assert len(kinds) == len(typed), (kinds, typed)  # every family the parser found was declared once
     return out
 
 
@@ -48,6 +62,17 @@ def test_snapshot_metrics_histograms_and_ages() -> None:
     metrics.record_dedup("exp", 300, 100, registry=r)
     metrics.record_decision("exp", "sigterm", "snapshot", registry=r)
     now[0] = 1042.5
+    kinds = {f.name: f.type for f in text_string_to_metric_families(r.render())}
+    assert kinds == {
+        "cryosleep_snapshot_phase_seconds": "gauge", "cryosleep_snapshot_phase_duration_seconds": "histogram",
+        "cryosleep_snapshot_pause_seconds": "gauge", "cryosleep_snapshot_pause_duration_seconds": "histogram",
+        "cryosleep_snapshot_image_bytes": "gauge", "cryosleep_snapshots": "counter",
+        "cryosleep_last_snapshot_timestamp_seconds": "gauge", "cryosleep_last_snapshot_age_seconds": "gauge",
+        "cryosleep_last_verified_snapshot_age_seconds": "gauge", "cryosleep_snapshot_failures": "counter",
+        "cryosleep_upload_bytes": "counter", "cryosleep_upload_seconds": "counter",
+        "cryosleep_upload_rate_bytes_per_second": "gauge", "cryosleep_dedup_ratio": "gauge",
+        "cryosleep_trigger_decisions": "counter",
+    }  # the parser names a counter's family without its _total; its samples keep it
     s = check_format(r.render())
     assert s['cryosleep_snapshot_phase_seconds{job="exp",mode="keep-running",phase="dump"}'] == 0.7
     assert s['cryosleep_snapshot_pause_seconds{job="exp",mode="stop"}'] == 3.5
@@ -72,7 +97,9 @@ def test_snapshot_metrics_histograms_and_ages() -> None:
 def test_label_values_are_escaped_and_counters_named_total() -> None:
     r = Registry()
     r.set("x_gauge", "h", 1, job='a"b\\c\nd')
-    assert 'x_gauge{job="a\\"b\\\\c\\nd"} 1' in r.render()
+    assert 'x_gauge{job="a\\"b\\\\c\\nd"} 1.0' in r.render()
+    (fam,) = text_string_to_metric_families(r.render())
+    assert fam.samples[0].labels == {"job": 'a"b\\c\nd'} and fam.samples[0].value == 1
     with pytest.raises(ValueError):
         r.inc("x_count", "h")
 

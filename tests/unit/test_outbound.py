@@ -265,13 +265,13 @@ def test_without_the_scripts_report_the_agent_resets_late(server: socket.socket,
 
 def test_run_options_go_into_the_job_spec(tmp_path: Path) -> None:
     from cryosleep.cli.jobs import build_spec
-    from cryosleep.cli.main import parser
+    from cryosleep.cli.main import parse
 
     script = tmp_path / "t.py"
     script.write_text("")
 
     def spec(*argv: str) -> dict[str, object]:
-        return build_spec(parser().parse_args(["run", *argv, str(script)])).outbound
+        return build_spec(parse(["run", *argv, str(script)])).outbound
 
     assert spec() == {"reset": "all", "keep": [], "drain_s": 2.0}
     assert spec("--outbound-reset", "10.0.0.0/8,[fd00::1]:443", "--outbound-keep", "10.0.0.9:9090",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cryosleep.cli.main import parser
+from cryosleep.cli.main import parse
 from cryosleep.cli.triggers import trigger_config
 from cryosleep.errors import UsageError
 from cryosleep.triggers import decisions
@@ -136,7 +136,7 @@ def test_decision_log_merges_outcomes_and_survives_a_cut_line(tmp_path: Path) ->
 
 
 def run_args(*argv: str) -> argparse.Namespace:
-    return parser().parse_args(["run", *argv, "train.py"])
+    return parse(["run", *argv, "train.py"])
 
 
 def test_trigger_options_parse_and_refuse() -> None:

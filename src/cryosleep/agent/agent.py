@@ -21,23 +21,28 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from cryosleep import metrics, paths
-from cryosleep.agent import coordinated, proctree
-from cryosleep.agent.interceptor import Cmd, State
-from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
+from cryosleep.agent import coordinated, failures, resume
 from cryosleep.agent.watchdog import Watchdog
+from cryosleep.capture import criu_install, netlock
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, underlay_towards
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import Cmd, State
+from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
+from cryosleep.store.auth import STRICT, Trust
 from cryosleep.store.local import LocalStore
-from cryosleep.triggers.runner import TriggerRunner
+from cryosleep.timing import Progress
 
 PR_SET_CHILD_SUBREAPER = 36
+# the signals the sandbox's init passes on to the workers (native/init/cryosleep-init.c); others become SIGTERM
+INIT_FORWARDS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
 
 
 def become_subreaper() -> None:
@@ -51,6 +56,10 @@ INTERCEPTOR_LIB = "libcryosleep_nccl.so"
 # off unless this is set (pinning stalls the job's CUDA calls, and on an H200 a 2-rank 24 GiB job hung with it
 # at 5 s: docs/interceptor.md, "The fast path")
 PREPARE_ENV = "CRYOSLEEP_PREPARE_EVERY_S"
+# Set for the workers when the agent owns SIGTERM (--grace): cryosleep-init forwards, and the workers obey, only a
+# SIGTERM the agent sent (marked), not a scheduler's SIGTERM to every process of the job (Slurm's scancel, requeue,
+# time limit, preemption): native/nccl/interceptor/shield.c, docs/triggers.md
+TERM_SHIELD_ENV = "CRYOSLEEP_TERM_SHIELD"
 # How long a run or restore waits for an agent of the same job that is still ending (after a stop snapshot: its
 # job's processes exit, freeing device and pinned memory, and it removes the staging files; seconds at 24 GiB).
 ENDING_WAIT_S = 120.0
@@ -61,8 +70,12 @@ def interceptor_lib() -> Path:
     return paths.native_dir() / INTERCEPTOR_LIB
 
 
-def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | None = None) -> dict[str, str]:
-    """torchrun's environment for the workers, plus what capture needs (RANK/LOCAL_RANK come from init).
+def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | None = None,
+               error_file: Path | None = None) -> dict[str, str]:
+    """torchrun's environment for the workers, plus what capture needs (RANK/LOCAL_RANK/ROLE_RANK come from init;
+    docs/torchrun.md lists every variable and each difference from torchrun's, with its reason).
+
+    ``error_file`` is each worker's TORCHELASTIC_ERROR_FILE, with ``{rank}`` for its rank (agent/failures.py).
 
     With the interceptor (the default; ``ctl_dir`` given), every worker preloads it and gets its own control
     file, ``ctl_dir/rank-<RANK>.ctl`` (cryosleep-init replaces ``{rank}``), and NVLink multicast is off unless
@@ -76,16 +89,24 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         "ROLE_WORLD_SIZE": str(spec.world_size),
         "GROUP_RANK": str(spec.node_rank),
         "GROUP_WORLD_SIZE": str(spec.nnodes),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": spec.role,
         "MASTER_ADDR": spec.master_addr,
         "MASTER_PORT": str(spec.master_port),
-        "TORCHELASTIC_RUN_ID": spec.run_id,
+        "TORCHELASTIC_RUN_ID": spec.rdzv_id or spec.run_id,
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
-        # PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump (FACTS.md).
+        # torchrun's c10d rendezvous has the workers use its agent's store; Cryosleep's workers make their own
+        # (rank 0 serves it), inside the captured tree, as under torchrun's static rendezvous without one
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": spec.signals_to_handle,
+        # PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump; without libuv it holds none
+        # (UV_USE_IO_URING=0 does not help: docs/facts.md).
         "USE_LIBUV": "0",
         "CRYOSLEEP_JOB": spec.name,
     })
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     if spec.net:  # the job network: the sandbox's only interface besides lo (docs/network.md)
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = str(spec.net.get("ifname", "eth0"))
     if spec.nproc_per_node > 1:
@@ -94,7 +115,7 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         lib = str(interceptor_lib())
         env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
         env["CRYOSLEEP_NCCL_CTL"] = str(ctl_dir / "rank-{rank}.ctl")
-        # NVLink multicast (NVLS) state cannot be checkpointed (FACTS.md)
+        # NVLink multicast (NVLS) state cannot be checkpointed (docs/facts.md)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         if spec.fast_path and devmem_dir is not None:
             env.setdefault("CRYOSLEEP_DEVMEM", "1")
@@ -164,8 +185,35 @@ class LogTail:
                 self.out.flush()
 
 
+def take_job_lock(job: JobDir, log: Any) -> int:
+    """The job's lock, for an agent's life; an agent of the job that is only ending is waited for."""
+    def say() -> None:
+        log(f"job {job.name}'s previous agent is still ending: waiting up to {ENDING_WAIT_S:g} s")
+
+    return job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say)
+
+
+class Triggers(Protocol):
+    """What the agent runs beside its job to turn signals, notices and schedules into snapshots
+    (``cryosleep.triggers.runner.TriggerRunner``; the CLI attaches one as ``Agent.triggers``)."""
+
+    def start(self) -> None:
+        """Called by :meth:`Agent.serve` once the job runs."""
+
+    def on_signal(self, signum: int) -> bool:
+        """From the agent's signal handler (main thread: must not block); True when handled there."""
+
+    def close(self) -> None:
+        """Called as the agent ends."""
+
+    @property
+    def grace_s(self) -> float | None:
+        """``--grace``: a SIGTERM starts a stop snapshot due within this many seconds (None: SIGTERM ends the job)."""
+
+
 class Agent:
     net_peers: tuple[str, ...] = ()  # the job network's overlay peers (other hosts' addresses), if it spans hosts
+    barrier_peers: tuple[str, ...] = ()  # those a multi-node restore learned at its barrier
 
     def __init__(self, job: JobDir, spec: JobSpec, *, out: TextIO | None) -> None:
         self.job = job
@@ -184,7 +232,7 @@ class Agent:
         self._handlers: list[threading.Thread] = []
         self.restore_phases: dict[str, float] = {}
         self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
-        self.triggers: TriggerRunner | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
+        self.triggers: Triggers | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
         self.devmem_dirs: set[Path] = set()  # a restored job's fast-path staging directories
         # (multi-node jobs) the coordinator's URL and token: it runs every snapshot of the job, on all nodes
         self.coordinator: tuple[str, str] | None = None
@@ -193,6 +241,11 @@ class Agent:
         self.ended_by: str | None = None  # why the coordinator ended the job, if it did
         self.net_watch: coordinated.NetPeers | None = None  # overlay peers learned from the coordinator
         self.underlay = ""  # this host's address for them (where its route to the coordinator leaves from)
+
+    def console_ranks(self) -> list[int]:
+        """The ranks whose output the console shows (`cryosleep run --local-ranks-filter`: these local ranks)."""
+        keep = set(self.spec.local_ranks_filter)
+        return [r for i, r in enumerate(self.spec.ranks) if not keep or i in keep]
 
     def learns_peers(self) -> bool:
         """A multi-node job on the job network with a coordinator and no --net-peers: the overlay's peers are
@@ -216,6 +269,29 @@ class Agent:
             else:
                 self.watchdog.arm(reason)
 
+    def on_dump(self, rec: netlock.DumpRecord | None) -> None:
+        """The CRIU dump under way or holding the job, recorded for a survivor of this agent (capture/netlock.py)."""
+        self.state.dump = rec.to_json() if rec is not None else None
+        self.save_state()
+        if self.watchdog is not None:
+            self.watchdog.dump(self.state.dump, criu_install.locate().nft_argv if rec is not None else None)
+
+    def undo_dead_dump(self) -> None:
+        """(the job's lock just taken) What a previous agent of this job left on this host when it died during a
+        dump (its CRIU, its network lock, its staging) is undone; nothing when it left nothing."""
+        try:
+            old = self.job.read()[1]
+        except (CryosleepError, OSError, ValueError, KeyError, TypeError):
+            return
+        if old.dump:
+            try:
+                nft = criu_install.locate().nft_argv
+            except CryosleepError:
+                nft = None
+            done = netlock.undo(netlock.DumpRecord.from_json(old.dump), nft)
+            if done:
+                self.log_line(f"job {self.spec.name}'s previous agent died during a dump: " + ", ".join(done))
+
     @property
     def stopping(self) -> bool:
         return self._stopping
@@ -225,20 +301,26 @@ class Agent:
 
     # -- starting ---------------------------------------------------------------------------------
 
+    def snapshot_busy(self) -> bool:
+        return self.snap_lock.locked()
+
+    def track(self, thread: threading.Thread) -> None:
+        """A thread to wait for before the agent exits (a request's handler, a stop snapshot)."""
+        self._handlers.append(thread)
+
     def save_state(self) -> None:
         with self.state_lock:
             self.job.write(self.spec, self.state)
 
     def _take_lock(self) -> int:
-        def say() -> None:
-            self.log_line(f"job {self.spec.name}'s previous agent is still ending: waiting up to {ENDING_WAIT_S:g} s")
-
-        return self.job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say)
+        return take_job_lock(self.job, self.log_line)
 
     def launch(self) -> None:
         """Start the job fresh: a new sandbox with nproc workers."""
         become_subreaper()
-        self.lock_fd = self._take_lock()
+        if self.lock_fd < 0:  # the launcher may hold it already (it chose, under it, to start anew)
+            self.lock_fd = self._take_lock()
+        self.undo_dead_dump()
         init = paths.native_dir() / "cryosleep-init"
         if not os.access(init, os.X_OK):
             raise CryosleepError(f"the sandbox init {init} is missing", "the native helpers were not built",
@@ -252,6 +334,7 @@ class Agent:
         for r in self.spec.ranks:
             self.job.rank_log(r).unlink(missing_ok=True)
             (self.job.logs / f"rank-{r}.exit").unlink(missing_ok=True)
+            failures.error_file(self.job, r).unlink(missing_ok=True)
         for old in self.job.ctl.glob("rank-*.ctl"):  # a previous run's blocks: never mistaken for this one's
             old.unlink()
         devmem = None
@@ -259,7 +342,9 @@ class Agent:
             devmem = self.job.devmem
             shutil.rmtree(devmem, ignore_errors=True)
             devmem.mkdir(mode=0o700)
-        env = worker_env(self.spec, self.job.ctl, devmem)
+        env = worker_env(self.spec, self.job.ctl, devmem, failures.error_file(self.job, "{rank}"))
+        if self.triggers is not None and self.triggers.grace_s is not None:
+            env[TERM_SHIELD_ENV] = "1"  # SIGTERM is the agent's: the workers live until its stop snapshot has them
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
         self.save_state()
@@ -287,26 +372,33 @@ class Agent:
                     os.close(fd)
         self.state.state = "running"
         self.save_state()
-        self.tail = LogTail(self.job, self.spec.ranks, self.out)
+        self.record_in_store("running", None)
+        self.tail = LogTail(self.job, self.console_ranks(), self.out)
 
-    def restore(self, store: LocalStore, ref: str, *, progress: capture_restore.Progress | None = None,
+    def restore(self, store: LocalStore, ref: str, *, progress: Progress | None = None,
                 timeout: float = 600.0, gpu_map: list[int] | None = None,
-                rendezvous: coordinated.RestoreRendezvous | None = None) -> capture_restore.Restored:
+                rendezvous: coordinated.RestoreRendezvous | None = None,
+                trust: Trust = STRICT) -> capture_restore.Restored:
         """Bring the job back from a snapshot into a fresh sandbox. ``rendezvous``: one node of a multi-node
         restore: nothing starts unless every node passed its checks, and ids cross nodes at the rebuild (the
         caller tells the other nodes when this fails: ``RestoreRendezvous.failed``)."""
         become_subreaper()
 
         def before_criu(manifest: Any) -> list[str] | None:
-            self.lock_fd = self._take_lock()
+            if self.lock_fd < 0:  # the launcher may hold it already (it chose, under it, to resume)
+                self.lock_fd = self._take_lock()
+            self.undo_dead_dump()
+            for r in self.spec.ranks:  # a later run's error reports: never read as the restored job's
+                failures.error_file(self.job, r).unlink(missing_ok=True)
             if rendezvous is None:
                 return None
             rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
+            self.barrier_peers = tuple(rendezvous.peers)
             return rendezvous.peers  # the other nodes' underlay addresses: the overlay before the rebuild
 
         restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
                                            progress=progress, before_criu=before_criu, gpu_map=gpu_map,
-                                           net_peers=self.net_peers, relay=rendezvous)
+                                           net_peers=self.net_peers, relay=rendezvous, trust=trust)
         self.spec = restored.spec
         fast = restored.manifest.nodes[0].gpu.get("fast_path") or {}
         self.devmem_dirs = {Path(e["stage_path"]).parent for e in fast.get("ranks", {}).values()}
@@ -314,7 +406,8 @@ class Agent:
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
                               restored_from=restored.manifest.id, net_end=restored.net_end)
         self.save_state()
-        self.tail = LogTail(self.job, self.spec.ranks, self.out, from_end=True)
+        self.record_in_store("running", restored.manifest.id)
+        self.tail = LogTail(self.job, self.console_ranks(), self.out, from_end=True)
         self.restore_phases = restored.phases.rounded()
         return restored
 
@@ -323,19 +416,37 @@ class Agent:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.triggers is not None and self.triggers.on_signal(signum):  # a stop snapshot instead
             return
+        self.forward_signal(signum)
+
+    def forward_signal(self, signum: int) -> None:
+        """The usual path of a signal to the agent: SIGTERM to the workers, SIGKILL at the second one."""
         self._signals += 1
-        sig = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
+        # as torchrun: the signal itself to the workers (the ones the sandbox's init passes on), then SIGKILL; a
+        # SIGTERM marked, so that the init forwards it and the workers' SIGTERM shield (if any) lets it through
+        sig = (signum if signum in INIT_FORWARDS else signal.SIGTERM) if self._signals == 1 else signal.SIGKILL
         try:
-            os.kill(self.state.init_pid, sig)
+            if sig == signal.SIGTERM:
+                proctree.send_marked(self.state.init_pid, sig)
+            else:
+                os.kill(self.state.init_pid, sig)
         except ProcessLookupError:
             pass
 
+    def handled_signals(self) -> set[int]:
+        """SIGINT, SIGTERM, SIGHUP and the job's --signals-to-handle (torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE);
+        SIGUSR1 is a snapshot trigger when the job has triggers."""
+        names = [n.strip() for n in self.spec.signals_to_handle.split(",") if n.strip()]
+        sigs = {int(signal.Signals[n]) for n in names if n in signal.Signals.__members__}
+        sigs |= {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        if self.triggers is not None:
+            sigs.add(signal.SIGUSR1)
+        return sigs - {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD}
+
     def serve(self) -> int:
         """Supervise until the job ends; returns its exit code (EXIT_SUSPENDED after a stop snapshot)."""
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, self._on_signal)
+        for sig in self.handled_signals():
+            signal.signal(sig, self._on_signal)
         if self.triggers is not None:
-            signal.signal(signal.SIGUSR1, self._on_signal)
             self.triggers.start()
         self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log))
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
@@ -349,7 +460,7 @@ class Agent:
             self.net_watch = coordinated.NetPeers(
                 CoordinatorClient(*self.coordinator), self.spec.run_id, self.spec.node_rank, self.spec.nnodes,
                 self.underlay or underlay_towards(self.coordinator[0]), lambda p: net_sandbox.set_peers(net, p),
-                self.log_line).start()
+                self.log_line, known=self.barrier_peers).start()
         init = self.state.init_pid
         status = 0
         try:
@@ -400,7 +511,13 @@ class Agent:
             st.exit_code = code
             st.detail = self.ended_by or (self._failure_detail() if code else "")
         self.save_state()
+        self.record_in_store({"exited": "ended"}.get(st.state, st.state), self.suspended_in or st.last_snapshot)
         return code
+
+    def record_in_store(self, state: str, snapshot: str | None) -> None:
+        """The job's record in its stores, for a later launch of the same line on any machine (agent/resume.py)."""
+        resume.record(paths.default_store(), resume.remote_of(self.spec.persist),
+                      resume.StoreRecord(self.spec.name, state, snapshot), self.log_line)
 
     def _failure_detail(self) -> str:
         parts = []
@@ -546,7 +663,8 @@ class Agent:
         ctl = {r: self.job.ctl_path(r) for r in self.spec.ranks} if self.spec.interceptor else {}
         target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
                                          restored_from=self.state.restored_from, end=end, ctl=ctl,
-                                         log=self.log_line if self.out is None else None, arm=self.arm)
+                                         log=self.log_line if self.out is None else None, arm=self.arm,
+                                         on_dump=self.on_dump)
         if self.persister is None and persist:
             self.persister = store_persist.for_job(self.spec.name, self.spec.persist,
                                                    self.log_line if self.out is None else None)

@@ -36,11 +36,11 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from cryosleep import paths
-from cryosleep.agent.interceptor import Cmd, InterceptorError
+from cryosleep.agent.node import NodeAgent
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Registration
 from cryosleep.coordinator.protocol import (
@@ -50,14 +50,12 @@ from cryosleep.coordinator.protocol import (
     targets_from_json,
     view_to_json,
 )
+from cryosleep.core.interceptor import Cmd
 from cryosleep.cut.driver import HOLD_GRACE_S, Driver
-from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotEligible, NotFound
+from cryosleep.errors import Busy, CaptureFailed, CryosleepError, InterceptorError, NotEligible, NotFound
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
-
-if TYPE_CHECKING:
-    from cryosleep.agent.agent import Agent
 
 STALL_FILE = "fault-stall"
 TARGETS_WAIT_S = 1.0  # how long a targets round waits for the ranks to answer before reporting what it sees
@@ -80,7 +78,7 @@ def job_name(spec_name: str, nnodes: int, node_rank: int) -> str:
 class CoordinatedNode:
     """One node agent's backend: the coordinator's operations on this node's part of the job."""
 
-    def __init__(self, agent: Agent, store: LocalStore | None = None,
+    def __init__(self, agent: NodeAgent, store: LocalStore | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         self.agent = agent
         self.store = store or LocalStore(paths.default_store())
@@ -474,7 +472,7 @@ class CoordinatedNode:
         return {}
 
 
-def connect(agent: Agent, url: str, token: str, *, wait_s: float = 20.0) -> AgentRunner:
+def connect(agent: NodeAgent, url: str, token: str, *, wait_s: float = 20.0) -> AgentRunner:
     """Registers this node's agent with the coordinator and serves its commands (on a thread)."""
     spec = agent.spec
     address = str(spec.net.get("address", "")) if spec.net else ""
@@ -653,7 +651,8 @@ class NetPeers:
     and retry their first connection (TCPStore) until the overlay reaches the master's node."""
 
     def __init__(self, client: CoordinatorClient, run_id: str, node_rank: int, nnodes: int, underlay: str,
-                 apply: Callable[[list[str]], None], log: Callable[[str], None]) -> None:
+                 apply: Callable[[list[str]], None], log: Callable[[str], None],
+                 known: Sequence[str] = ()) -> None:
         self.client = client
         self.board = net_board(run_id)
         self.key = f"underlay/{node_rank}"
@@ -661,7 +660,12 @@ class NetPeers:
         self.underlay = underlay
         self.apply = apply
         self.log = log
-        self.applied: list[str] | None = None
+        # A restored node's peers, learned at the restore's barrier: already applied, and kept until they had the
+        # time to post (NET_FRESH_S): a peer restored a moment later, whose entry on the board is still its old run's
+        # (stale), is not dropped from the overlay by this node's first round.
+        self.applied: list[str] | None = sorted(known) if known else None
+        self.known = frozenset(known)
+        self.since = time.monotonic()
         self.stopped = threading.Event()
         self.wait_s = 5.0  # a round waits this long for every node's entry
         self._apply_lock = threading.Lock()  # stop() waits for an update under way; none starts after it
@@ -680,6 +684,8 @@ class NetPeers:
         """One round, the overlay updated if the peers changed; True once every other node posted. After stop()
         nothing is applied: the job's network may be released already."""
         peers, heard = self.round()
+        if self.known and time.monotonic() - self.since < NET_FRESH_S:
+            peers = sorted(set(peers) | self.known)
         with self._apply_lock:
             if self.stopped.is_set():
                 return False

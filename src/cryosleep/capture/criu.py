@@ -1,7 +1,7 @@
 """Calling CRIU: dump a sandbox's process tree, restore it, and undo what a failed dump leaves behind.
 
 One sandbox (a PID namespace whose init is ``cryosleep-init``) is one CRIU tree. Dumps always use
-``--tcp-established`` with the nftables network lock (FACTS.md: the iptables lock does not work here) and
+``--tcp-established`` with the nftables network lock (docs/facts.md: the iptables lock does not work here) and
 either ``--leave-running`` (keep-running snapshots) or ``--leave-stopped`` (stop snapshots: the job is held
 still until its image is verified, then killed, or resumed if anything failed).
 """
@@ -10,23 +10,25 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryosleep import paths
-from cryosleep.agent import proctree
 from cryosleep.capture.criu_install import Criu
-from cryosleep.errors import CaptureFailed, RestoreFailed
+from cryosleep.core import proctree
+from cryosleep.errors import CaptureFailed, NetError, RestoreFailed
 from cryosleep.net import host as net_host
 
 RUN_ID_RE = re.compile(r"CRIU run id = ([0-9a-f-]+)")
-# CRIU prints this on every run here; it is harmless (FACTS.md).
+# CRIU prints this on every run here; it is harmless (docs/facts.md).
 NOISE = ("Can't setup RLIMIT_NOFILE",)
 GHOST_LIMIT = 64 * 1024 * 1024
 # After its action script is ended, CRIU rolls back by itself within this time, or is killed.
@@ -148,7 +150,7 @@ def veth_externals(root_pid: int) -> list[str]:
     job network, docs/network.md): CRIU dumps the namespace, and records the pair's host end as external."""
     try:
         veths = net_host.Host().sandbox_veths(root_pid)
-    except net_host.NetError as e:
+    except NetError as e:
         raise CaptureFailed("the sandbox's network interfaces could not be read", f"{e.what}: {e.why}",
                             e.hint) from None
     lost = [inside for inside, end in veths if end is None]
@@ -163,7 +165,8 @@ def veth_externals(root_pid: int) -> list[str]:
 
 
 def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: float,
-         extra_env: dict[str, str] | None = None, mounts: list[str] | None = None) -> DumpResult:
+         extra_env: dict[str, str] | None = None, mounts: list[str] | None = None,
+         on_start: Callable[[int], None] | None = None) -> DumpResult:
     """Dump the tree of ``root_pid`` into ``node_dir/criu``; stage its files into ``node_dir/files``.
 
     On failure or timeout every task is left running (CRIU resumes them; after a kill we detach, remove
@@ -185,36 +188,119 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
         "--action-script", script, *_external_args(mounts or []), *veth_externals(root_pid),
     )
     full_env = criu.env(dict(os.environ, **env, **(extra_env or {})))
+    tree = proctree.tree(root_pid)  # CRIU freezes this tree: if CRIU dies, these are what to stop at once
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    # CRIU's output goes to a file, never a pipe: a helper CRIU forked and left stopped would hold a pipe open
+    # (and the wait with it) long after CRIU is gone; the wait is on CRIU's exit (a pidfd) instead.
+    with open(node_dir / "criu.out", "wb") as out:
+        proc = subprocess.Popen(protected(cmd), env=full_env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    if on_start is not None:
+        on_start(proc.pid)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        gentle = (extra_env or {}).get("CRYOSLEEP_FAULT") != "capture-hang-kill"
-        how = _stop_dump(criu, proc, root_pid, log, gentle=gentle)
-        kept = keep_log(log)
-        raise CaptureFailed(
-            f"CRIU did not finish the dump within {timeout:g} s",
-            f"the dump was abandoned ({how}); every process of the job was released and goes on running",
-            "retry with a longer --timeout; see the CRIU log " + str(kept),
-            log=str(kept),
-        ) from None
-    elapsed = time.monotonic() - start
-    rid = run_id(log)
-    if proc.returncode != 0:
-        release(criu, root_pid, rid)
-        hook_err = node_dir / "hook.err"
-        ours = hook_err.read_text().splitlines() if hook_err.exists() else []
-        kept = keep_log(log)
-        raise CaptureFailed(
-            f"CRIU could not dump the job (exit code {proc.returncode})",
-            "\n".join([*ours, log_tail(log)]) or out.decode(errors="replace")[-2000:],
-            f"the job was resumed and goes on running; `cryosleep check --job NAME` lists what blocks a dump; "
-            f"CRIU's log: {kept}",
-            log=str(kept),
-        )
+        if not wait_exit(proc, timeout):
+            gentle = (extra_env or {}).get("CRYOSLEEP_FAULT") != "capture-hang-kill"
+            how = _stop_dump(criu, proc, root_pid, log, gentle=gentle)
+            kept = keep_log(log)
+            raise CaptureFailed(
+                f"CRIU did not finish the dump within {timeout:g} s",
+                f"the dump was abandoned ({how}); every process of the job was released and goes on running",
+                "retry with a longer --timeout; see the CRIU log " + str(kept),
+                log=str(kept),
+            )
+        elapsed = time.monotonic() - start
+        rid = run_id(log)
+        if proc.returncode < 0:  # killed (the OOM killer, an operator): no rollback of its own ran
+            raise _killed(criu, proc.returncode, root_pid, tree, rid, log)
+        if proc.returncode != 0:  # CRIU failed and rolled back by itself (network unlocked, tasks resumed)
+            release(criu, root_pid, rid)
+            hook_err = node_dir / "hook.err"
+            ours = hook_err.read_text().splitlines() if hook_err.exists() else []
+            kept = keep_log(log)
+            raise CaptureFailed(
+                f"CRIU could not dump the job (exit code {proc.returncode})",
+                "\n".join([*ours, log_tail(log)]) or (node_dir / "criu.out").read_text(errors="replace")[-2000:],
+                f"the job was resumed and goes on running; `cryosleep check --job NAME` lists what blocks a dump; "
+                f"CRIU's log: {kept}",
+                log=str(kept),
+            )
+    finally:
+        end_group(proc.pid)
     return DumpResult(elapsed, rid, log)
+
+
+def protected(cmd: list[str]) -> list[str]:
+    """``cmd`` run out of the OOM killer's reach (oom_score_adj -1000, inherited by what CRIU forks): a CRIU
+    killed mid-dump is the one failure a snapshot cannot always undo (docs/reliability.md). CRIU runs from the
+    agent, so the job's own rlimits never apply to it."""
+    return ["/bin/sh", "-c", 'echo -1000 > /proc/self/oom_score_adj 2>/dev/null; exec "$@"', "criu", *cmd]
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait for CRIU itself to exit (not for its output to end); True when it did (and was reaped)."""
+    fd = os.pidfd_open(proc.pid)
+    try:
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        if not poll.poll(max(0.0, timeout) * 1000):
+            return False
+    finally:
+        os.close(fd)
+    proc.wait()
+    return True
+
+
+def end_group(pgid: int) -> None:
+    """End every process CRIU forked (its process group: CRIU leads its own session), stopped ones included:
+    a kerndat probe or the action script left behind by a killed CRIU would otherwise live on, stopped."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    # what CRIU forked was re-parented to this process (the agent is a subreaper): reap it, or it stays a zombie
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        try:
+            if os.waitpid(-pgid, os.WNOHANG) == (0, 0):
+                time.sleep(0.01)
+        except ChildProcessError:
+            return
+
+
+def _killed(criu: Criu, code: int, root_pid: int, tree: list[int], rid: str | None, log: Path) -> CaptureFailed:
+    """CRIU was killed during the dump: the kernel resumed the tasks it held, maybe with the network still
+    locked and their sockets in TCP repair mode. Stop them first, undo both, then continue them; then say what
+    became of the job (a task resumed inside a read on a socket in repair mode fails at once)."""
+    stop_tasks(proctree.tree(root_pid) or tree)
+    release(criu, root_pid, rid, repair=True)
+    time.sleep(0.5)  # a task that met the repair mode before it was stopped exits now
+    ended = [p for p in tree if proctree.state(p) in ("Z", "X", "gone")]
+    sig = signal.Signals(-code).name if -code in set(signal.Signals) else str(-code)
+    kept = keep_log(log)
+    if ended:
+        return CaptureFailed(
+            f"CRIU was killed ({sig}) during the dump, and the job's process(es) {', '.join(map(str, ended))} "
+            "exited",
+            "something outside Cryosleep (the OOM killer, an operator) ended CRIU while it held the job; its "
+            "network lock and TCP repair mode were undone, but the tasks had already met them",
+            "restore the job's last verified snapshot (`cryosleep ls`); CRIU's log: " + str(kept), log=str(kept))
+    return CaptureFailed(
+        f"CRIU was killed ({sig}) during the dump",
+        "something outside Cryosleep (the OOM killer, an operator) ended CRIU while it held the job; its network "
+        "lock and TCP repair mode were undone and every process of the job was released: it goes on running",
+        "take the snapshot again; CRIU's log: " + str(kept), log=str(kept))
+
+
+def stop_tasks(pids: list[int]) -> None:
+    """Queue a SIGSTOP to each task and wait (up to 2 s) until they have all stopped or gone."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end and any(proctree.state(p) not in ("T", "t", "gone", "Z") for p in pids):
+        time.sleep(0.01)
 
 
 def _stop_dump(criu: Criu, proc: subprocess.Popen[bytes], root_pid: int, log: Path, gentle: bool = True) -> str:
@@ -231,11 +317,8 @@ def _stop_dump(criu: Criu, proc: subprocess.Popen[bytes], root_pid: int, log: Pa
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        try:
-            proc.communicate(timeout=ROLLBACK_GRACE_S)
+        if wait_exit(proc, ROLLBACK_GRACE_S):
             return "CRIU rolled back"
-        except subprocess.TimeoutExpired:
-            pass
     # The kernel resumes the tasks the moment their tracer dies, with the network still locked (a send
     # would fail with EPERM and break the job): queue a SIGSTOP first, so they stop until we are done.
     tree = proctree.tree(root_pid)
@@ -244,11 +327,9 @@ def _stop_dump(criu: Criu, proc: subprocess.Popen[bytes], root_pid: int, log: Pa
             os.kill(pid, signal.SIGSTOP)
         except ProcessLookupError:
             pass
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    end = time.monotonic() + 2.0
-    while time.monotonic() < end and any(proctree.state(p) not in ("T", "gone", "Z") for p in tree):
-        time.sleep(0.01)
+    end_group(proc.pid)
+    proc.wait()
+    stop_tasks(tree)
     release(criu, root_pid, run_id(log), repair=True)
     return "CRIU was killed and its leftovers undone"
 

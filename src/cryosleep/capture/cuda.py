@@ -1,4 +1,4 @@
-"""The CUDA driver's checkpoint API, called from the agent on the workers' PIDs (FACTS.md).
+"""The CUDA driver's checkpoint API, called from the agent on the workers' PIDs (as verified: docs/facts.md).
 
     lock(pid, timeout)      wait for the process's in-flight GPU work, then block its CUDA calls
     checkpoint(pid)         copy its device memory to host memory and release the GPU
@@ -22,12 +22,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from cryosleep.agent import proctree
-from cryosleep.errors import CryosleepError
-
-
-class CudaError(CryosleepError):
-    kind = "cuda_error"
+from cryosleep.core import proctree
+from cryosleep.errors import CryosleepError, CudaError
 
 
 class ProcState(enum.IntEnum):
@@ -71,7 +67,7 @@ class Gpu:
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-class Driver:
+class CudaDriver:
     """libcuda loaded once; cuInit(0) called once (needed before the checkpoint API works on other PIDs)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -155,7 +151,7 @@ def _hint(call: str, code: int) -> str:
 
 
 @cache
-def driver() -> Driver:
+def driver() -> CudaDriver:
     """The CUDA driver, or CudaError when this machine has none (CI)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -165,7 +161,7 @@ def driver() -> Driver:
     if not hasattr(lib, "cuCheckpointProcessLock"):
         raise CudaError("this CUDA driver has no checkpoint API", "cuCheckpointProcessLock is missing",
                         "install an NVIDIA driver >= 550 (570+ for restore onto other GPUs)")
-    return Driver(lib)
+    return CudaDriver(lib)
 
 
 def available() -> bool:
@@ -204,8 +200,8 @@ def cuda_processes(root_pid: int) -> list[int]:
 
 def uuid_pairs(old: Sequence[str], new: Sequence[str]) -> list[tuple[bytes, bytes]]:
     """The restore map for a process that saw GPUs ``old`` (UUID strings, in order) and now runs where the
-    same positions hold ``new``. Every GPU the process sees must be in the map (FACTS.md), so the map is
-    total over ``old`` and a permutation of ``new``."""
+    same positions hold ``new``. Every GPU the process sees must be in the map (a partial map fails with
+    "invalid argument": docs/facts.md), so the map is total over ``old`` and a permutation of ``new``."""
     if len(old) != len(new):
         raise CryosleepError("the GPU map does not fit", f"{len(old)} GPUs at capture, {len(new)} here",
                              "restore onto a machine with the same number of GPUs")

@@ -11,6 +11,7 @@ hook), so it is exactly what CRIU saw.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.errors import RestoreFailed
 from cryosleep.store.manifest import ExpectedFile, StagedFile
 
@@ -85,16 +86,19 @@ def copy_workers(n: int) -> int:
     return max(1, min(n, 16, max(2, os.cpu_count() or 2)))
 
 
-def copy_hashed(src: str | Path, dst: Path, size: int, block: int = 8 << 20, *, src_off: int = 0,
-                dst_off: int | None = None) -> str:
+def copy_hashed(src: str | Path, dst: str | Path, size: int, block: int = 8 << 20, *, src_off: int = 0,
+                dst_off: int | None = None, dst_dir_fd: int | None = None) -> str:
     """Copy ``size`` bytes of file ``src`` from ``src_off`` to ``dst`` and return their SHA-256 (one read).
     ``dst_off`` None: ``dst`` is created (truncated) and written from its start; else the bytes go at that
-    offset of the existing file ``dst`` (several threads may fill one file so, each its own range)."""
+    offset of the existing file ``dst`` (several threads may fill one file so, each its own range).
+    ``dst_dir_fd``: ``dst`` is a name in that directory (:func:`open_dir`); a link there is not followed."""
     h = hashlib.sha256()
     fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     try:
         flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if dst_off is None else 0)
-        fout = os.open(dst, flags, 0o600)
+        if dst_dir_fd is not None:
+            flags |= os.O_NOFOLLOW
+        fout = os.open(dst, flags, 0o600, dir_fd=dst_dir_fd)
         try:
             buf = bytearray(block)
             view = memoryview(buf)
@@ -279,6 +283,66 @@ def read_index(dest: Path) -> list[StagedFile]:
     return [StagedFile(**d) for d in json.loads(index.read_text())]
 
 
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+NO_LINKS = ("a component of its path is a symbolic link or not a directory: a restore follows no path its "
+            "manifest did not sign")
+
+
+def open_dir(path: str, *, create: bool = False, mode: int = 0o777) -> int:
+    """An fd of the directory ``path`` (absolute), reached one component at a time from ``/`` (openat with
+    O_NOFOLLOW), so no symbolic link is followed, and none swapped in between a check and a write can redirect
+    it; missing directories are made (``create``, with ``mode``). OSError (ELOOP, ENOTDIR) at a link."""
+    fd = os.open("/", _DIR)
+    try:
+        for part in (p for p in path.split("/") if p):
+            try:
+                nfd = os.open(part, _DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, mode, dir_fd=fd)
+                except FileExistsError:  # made meanwhile (another node of the job restoring here)
+                    pass
+                nfd = os.open(part, _DIR, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _why(e: OSError) -> str:
+    return NO_LINKS if e.errno in (errno.ELOOP, errno.ENOTDIR) else (e.strerror or str(e))
+
+
+def _current(s: StagedFile) -> str | None:
+    """Problem with the file a too-large staged file is truncated back into (reached without links)."""
+    parent, name = os.path.split(s.path)
+    try:
+        dfd = open_dir(parent)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except FileNotFoundError:
+        return f"{s.path}: missing, and too large ({s.size} bytes) to have been copied"
+    except OSError as e:
+        return f"{s.path}: cannot be read ({_why(e)})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"{s.path}: not a regular file"
+        if st.st_size < s.size:
+            return f"{s.path}: now {st.st_size} bytes, shorter than at the snapshot ({s.size})"
+        if s.tail_sha256 and _hash_range(f"/proc/self/fd/{fd}", s.size - s.tail_len, s.size) != s.tail_sha256:
+            return f"{s.path}: its content before byte {s.size} changed since the snapshot"
+        return None
+    finally:
+        os.close(fd)
+
+
 def plan_restore(staged: list[StagedFile], files_dir: Path) -> list[str]:
     """Problems that would stop bringing the files back (checked before anything is changed)."""
     problems: list[str] = []
@@ -287,20 +351,17 @@ def plan_restore(staged: list[StagedFile], files_dir: Path) -> list[str]:
             if not (files_dir / s.staged).exists():
                 problems.append(f"{s.path}: its copy {s.staged} is missing from the snapshot")
             continue
-        try:
-            size = os.stat(s.path).st_size
-        except FileNotFoundError:
-            problems.append(f"{s.path}: missing, and too large ({s.size} bytes) to have been copied")
-            continue
-        if size < s.size:
-            problems.append(f"{s.path}: now {size} bytes, shorter than at the snapshot ({s.size})")
-        elif s.tail_sha256 and _hash_range(s.path, s.size - s.tail_len, s.size) != s.tail_sha256:
-            problems.append(f"{s.path}: its content before byte {s.size} changed since the snapshot")
+        problem = _current(s)
+        if problem:
+            problems.append(problem)
     return problems
 
 
 def restore(staged: list[StagedFile], files_dir: Path) -> None:
-    """Put every staged file back to its state at the snapshot (call plan_restore first)."""
+    """Put every staged file back to its state at the snapshot (call plan_restore first). Each is written at
+    its path alone: its directory opened component by component without following links (:func:`open_dir`),
+    the copy made under a temporary name there (O_EXCL, O_NOFOLLOW) and renamed over it within that
+    directory, so a link swapped in at any point is never written through."""
     problems = plan_restore(staged, files_dir)
     if problems:
         raise RestoreFailed(
@@ -312,18 +373,38 @@ def restore(staged: list[StagedFile], files_dir: Path) -> None:
         # a temporary name of this restore's own: two nodes of a job restored on one host at once (each waiting
         # for the other at the coordinator's barrier) may both put back the same file, e.g. a library of a
         # virtualenv under /tmp; each replaces it whole, atomically
-        tmp = f"{s.path}.cryosleep-restore-{os.getpid()}"
+        parent, name = os.path.split(s.path)
+        tmp = f"{name}.cryosleep-restore-{os.getpid()}"
+        dfd = -1
         try:
-            Path(s.path).parent.mkdir(parents=True, exist_ok=True)
+            dfd = open_dir(parent, create=True)
             if s.staged is None:
-                os.truncate(s.path, s.size)
+                fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise OSError(errno.EINVAL, "not a regular file")
+                    os.ftruncate(fd, s.size)
+                finally:
+                    os.close(fd)
                 continue
-            with open(files_dir / s.staged, "rb") as src, open(tmp, "wb") as dst:
-                copy_prefix(src.fileno(), dst.fileno(), s.size)
-            os.chmod(tmp, s.mode)
-            os.replace(tmp, s.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dfd)
+            with open(files_dir / s.staged, "rb") as src:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=dfd)
+                try:
+                    copy_prefix(src.fileno(), fd, s.size)
+                    os.fchmod(fd, s.mode & 0o1777)  # never set-user or set-group id
+                finally:
+                    os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except OSError as e:
-            Path(tmp).unlink(missing_ok=True)
-            raise RestoreFailed(f"the file {s.path} the job had open could not be put back", str(e),
-                                "check that its directory is writable and has room; nothing of the job runs yet",
-                                path=s.path) from e
+            if dfd >= 0:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+            raise RestoreFailed(f"the file {s.path} the job had open could not be put back", _why(e),
+                                "check that its directory is writable and has room, and that no link was put on "
+                                "its path; nothing of the job runs yet", path=s.path) from e
+        finally:
+            if dfd >= 0:
+                os.close(dfd)

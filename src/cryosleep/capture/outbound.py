@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryosleep.agent import proctree
-from cryosleep.agent.job import JobSpec
 from cryosleep.capture.criu import action_script
+from cryosleep.core import proctree
+from cryosleep.core.job import JobSpec
 from cryosleep.errors import UsageError
 from cryosleep.timing import Phases
 
@@ -216,7 +216,7 @@ class Dest:
             host = t
         port: int | None = None
         if port_text is not None:
-            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:  # not "²"
                 raise bad(f"{port_text!r} is not a port (1-65535)")
             port = int(port_text)
         if not host:

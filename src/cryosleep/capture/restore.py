@@ -1,6 +1,7 @@
 """Restoring a job on this node from a snapshot: one linear list of phases, one rollback.
 
-    verify    every image file re-read and checked against the manifest (nothing has started yet)
+    verify    the manifest's MAC and paths checked (store/auth.py), then every image file re-read and checked
+              against the manifest (nothing has started yet)
     compat    this machine can take the image: kernel, CRIU, the job name free, paths present
     files     the job's files brought back to their state at the snapshot
     network   (job network) the job's bridge and overlay here, a fresh host end for the sandbox's veth
@@ -30,19 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import Cmd, ControlBlock, InterceptorError, State
-from cryosleep.agent.job import JobSpec
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files, outbound
-from cryosleep.cut.driver import Driver
-from cryosleep.errors import NotEligible, RestoreFailed, StoreCorrupt
+from cryosleep.capture import criu_install, cuda, files, netlock, outbound
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import Cmd, ControlBlock, State
+from cryosleep.core.job import JobSpec
+from cryosleep.cut.driver import STATE_NAMES, Driver
+from cryosleep.errors import InterceptorError, NotEligible, RestoreFailed, StoreCorrupt
 from cryosleep.net import sandbox as net_sandbox
+from cryosleep.store import auth
 from cryosleep.store.local import LocalStore
 from cryosleep.store.manifest import FileEntry, Manifest
-from cryosleep.timing import Phases
-
-Progress = Callable[[str, str, float | None], None]
+from cryosleep.timing import Phases, Progress
 
 
 @dataclass
@@ -107,16 +107,36 @@ def gpu_pairs(captured: list[dict[str, Any]], here: list[cuda.Gpu], gpu_map: lis
     return cuda.uuid_pairs(old, new)
 
 
+def refuse_under_lock(spec: JobSpec, criu: criu_install.Criu) -> None:
+    """A job on the host's network is not restored under a CRIU network lock it did not take: the lock would drop
+    the very connections CRIU brings back, and the restored ranks would hang (capture/netlock.py)."""
+    if spec.net:
+        return  # its own network namespace: no lock of the host's applies to it
+    locks = netlock.blocking(criu.nft_argv, spec.master_port)
+    if locks:
+        raise NotEligible(
+            f"job {spec.name!r} cannot be restored under the CRIU network lock {locks[0]}",
+            f"that nftables table drops connections to port {spec.master_port}, the job's rendezvous port, and "
+            "was not taken by this restore: a dump is under way (or its agent died without removing it)",
+            f"wait for the dump of any job on port {spec.master_port} to end; if none runs, `cryosleep check` "
+            f"removes what a dead agent left, or remove it: nft delete table {locks[0]}; then restore again",
+            locks=locks)
+
+
 def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600.0,
             progress: Progress | None = None, before_criu: Callable[[Manifest], Sequence[str] | None] | None = None,
-            gpu_map: list[int] | None = None, net_peers: Sequence[str] = (), relay: Relay | None = None) -> Restored:
+            gpu_map: list[int] | None = None, net_peers: Sequence[str] = (), relay: Relay | None = None,
+            trust: auth.Trust = auth.STRICT) -> Restored:
     """Restore snapshot ``ref`` (one node's image) here. ``before_criu``: called once the checks
     passed, before anything is changed; it may return the job network's overlay peers it learned (a multi-node
-    restore's barrier), used when ``net_peers`` is empty."""
+    restore's barrier), used when ``net_peers`` is empty. ``trust``: how the snapshot is authenticated (its MAC
+    and paths are checked first, before any file is read for the job, written or started)."""
     phases = Phases(progress)
     criu = criu_install.locate()
     with phases.phase("verify"):
-        manifest = store.load(ref)
+        sid = store.resolve(ref)
+        manifest = store.load(sid)
+        auth.authenticate(manifest, sid, trust)
         devmem = devmem_files(manifest)  # checked as the devmem phase copies them: read once, not twice
         bad = store.verify(manifest.id, skip=devmem)
         if bad:
@@ -142,6 +162,7 @@ def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600
         if before_criu:
             learned = before_criu(manifest)
             net_peers = net_peers or learned or ()
+        refuse_under_lock(spec, criu)
     with phases.phase("files"):
         files.restore(node.staged, node_dir / "files")
     fast = node.gpu.get("fast_path") or {}
@@ -220,15 +241,15 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
     snapshot), all pieces of all ranks in parallel. Returns the problems found; with any, no staging file is
     left changed."""
     base = node_dir.parent.parent
-    tmps: list[tuple[Path, Path]] = []
-    todo: list[tuple[Path, dict[str, Any], str, FileEntry]] = []
+    tmps: list[tuple[Path, str, int]] = []  # (path, temporary name, its directory's fd: files.open_dir)
+    todo: list[tuple[tuple[str, int], dict[str, Any], str, FileEntry]] = []
     problems: list[str] = []
     for entry in ranks.values():
         path = Path(entry["stage_path"])
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".cryosleep-restore")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        tmps.append((path, tmp))
+        dfd = files.open_dir(str(path.parent), create=True, mode=0o700)  # no link on the way is followed
+        tmp = path.name + ".cryosleep-restore"
+        tmps.append((path, tmp, dfd))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         try:
             os.fchmod(fd, 0o600)  # a leftover of an interrupted restore may have had other bits
             os.ftruncate(fd, int(entry["stage_bytes"]))
@@ -240,15 +261,15 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
             if want is None:
                 problems.append(f"{rel}: not in the manifest's file list")
             else:
-                todo.append((tmp, piece, rel, want))
+                todo.append(((tmp, dfd), piece, rel, want))
 
-    def put(job: tuple[Path, dict[str, Any], str, FileEntry]) -> str | None:
-        tmp, piece, rel, want = job
+    def put(job: tuple[tuple[str, int], dict[str, Any], str, FileEntry]) -> str | None:
+        (tmp, dfd), piece, rel, want = job
         src = base / rel
         size = src.stat().st_size if src.exists() else -1
         if size != want.size or size != int(piece["bytes"]):
             return f"{rel}: size {size}, expected {want.size} (missing, truncated or altered)"
-        got = files.copy_hashed(src, tmp, size, dst_off=int(piece["offset"]))
+        got = files.copy_hashed(src, tmp, size, dst_off=int(piece["offset"]), dst_dir_fd=dfd)
         if got != want.sha256:
             return f"{rel}: sha256 {got[:16]}..., expected {want.sha256[:16]}... (altered)"
         return None
@@ -258,16 +279,22 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
             with ThreadPoolExecutor(max_workers=files.copy_workers(len(todo))) as pool:
                 problems = [p for p in pool.map(put, todo) if p]
     except BaseException:
-        for _, tmp in tmps:
-            tmp.unlink(missing_ok=True)
-        raise
-    for path, tmp in tmps:
-        if problems:
-            tmp.unlink(missing_ok=True)
+        for _, tmp, dfd in tmps:
             with contextlib.suppress(OSError):
-                path.parent.rmdir()  # only when empty: the directory this restore made
-        else:
-            os.replace(tmp, path)
+                os.unlink(tmp, dir_fd=dfd)
+            os.close(dfd)
+        raise
+    for path, tmp, dfd in tmps:
+        try:
+            if problems:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+                with contextlib.suppress(OSError):
+                    path.parent.rmdir()  # only when empty: the directory this restore made
+            else:
+                os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
     return problems
 
 
@@ -292,7 +319,8 @@ def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = N
         for r in facts["ranks"]:
             left = max(0.1, deadline - time.monotonic())
             blocks[int(r["rank"])] = ControlBlock.wait(r["ctl"], pid=int(r["pid"]), timeout=left)
-        not_quiesced = [f"rank {r} is {State(b.state()[0]).name}" for r, b in blocks.items()
+        not_quiesced = [f"rank {r} is {STATE_NAMES.get(b.state()[0], f'in state {b.state()[0]}')}"
+                        for r, b in blocks.items()
                         if b.state()[0] not in (State.QUIESCED, State.OFFLOADED)]
         if not_quiesced:
             raise RestoreFailed("the restored workers' NCCL interceptors are not where the snapshot left them",

@@ -51,19 +51,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryosleep import __version__, eligibility, paths
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import ControlBlock, InterceptorError, attach_published
-from cryosleep.agent.job import JobSpec
+from cryosleep import __version__, paths
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files, outbound
+from cryosleep.capture import criu_install, cuda, eligibility, files, netlock, outbound
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import ControlBlock, attach_published
+from cryosleep.core.job import JobSpec
 from cryosleep.cut.driver import Driver
-from cryosleep.errors import CaptureFailed, CryosleepError, NotEligible
+from cryosleep.errors import CaptureFailed, CryosleepError, InterceptorError, NotEligible
 from cryosleep.store.local import LocalStore, Staging, hash_tree
 from cryosleep.store.manifest import Manifest, NodeImage
-from cryosleep.timing import Phases
-
-Progress = Callable[[str, str, float | None], None]
+from cryosleep.timing import Phases, Progress
 
 # The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
 PAUSE = ["drain", "quiesce", "offload", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock",
@@ -88,6 +86,9 @@ class Target:
     # Arms (a reason) or disarms (None) the agent's watchdog: from the cut until the job runs again, a job
     # whose agent dies is killed rather than left half-captured (agent/watchdog.py)
     arm: Callable[[str | None], None] | None = None
+    # Records (a DumpRecord) or forgets (None) the CRIU dump under way or holding the job, in the job's state and
+    # with its watchdog: what a survivor of a dead agent undoes (capture/netlock.py)
+    on_dump: Callable[[netlock.DumpRecord | None], None] | None = None
 
 
 def host_facts(criu: criu_install.Criu, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -244,11 +245,21 @@ class NodeCapture:
                 stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
                 if stages:  # the fast path's staging files: copied in ``commit``, outside the freeze
                     extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
-            res = criu_calls.dump(self.criu, self.target.init_pid, self.staging.node_dir(self.node_rank),
-                                  leave="stopped" if self.stop else "running", timeout=self.time_left(),
-                                  extra_env=extra, mounts=self.mounts)
+            node_dir = self.staging.node_dir(self.node_rank)
+            rec = netlock.DumpRecord(str(node_dir))
+            self.record(rec)
+            try:
+                res = criu_calls.dump(self.criu, self.target.init_pid, node_dir,
+                                      leave="stopped" if self.stop else "running", timeout=self.time_left(),
+                                      extra_env=extra, mounts=self.mounts,
+                                      on_start=lambda pid: self.record(netlock.DumpRecord(rec.dir, pid)))
+            except BaseException:
+                self.record(None)  # CRIU is gone, and what it left undone
+                raise
             self.dump_rid = res.run_id
             self.held = self.stop
+            # a stop dump holds the job under its lock until end() or the rollback removes it
+            self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
             self.dumped = True
         if self.gpus.pids and not self.stop:
             with self.phases.phase("cuda-restore"):
@@ -258,6 +269,10 @@ class NodeCapture:
         if self.nccl is not None and self.fast and not self.stop:
             with self.phases.phase("reload"):
                 self.nccl.reload(self.fast, self.deadline)
+
+    def record(self, rec: netlock.DumpRecord | None) -> None:
+        if self.target.on_dump is not None:
+            self.target.on_dump(rec)
 
     def rebuild(self) -> None:
         """(keep-running, one node) every communicator re-created, the gates open: the pause ends."""
@@ -327,6 +342,7 @@ class NodeCapture:
             if self.nccl is not None:
                 self.nccl.close()  # and so are their interceptors: nothing to roll back
             criu_calls.unlock_network(self.criu, self.dump_rid)
+            self.record(None)
 
     def finish(self) -> Manifest:
         """The final phase times (and pause) written into the published manifest."""
@@ -346,6 +362,7 @@ class NodeCapture:
         if self.held:
             criu_calls.release(self.criu, self.target.init_pid, self.dump_rid, repair=True)  # TCP repair is on
             self.held = False
+            self.record(None)
         if self.gpus.locked or self.gpus.checkpointed:
             problems += self.gpus.rollback()
         if self.committed and self.manifest is not None:
@@ -520,8 +537,5 @@ def rehearse(target: Target, *, timeout: float = 600.0, progress: Progress | Non
 
 
 def _rewrite_manifest(store: LocalStore, manifest: Manifest) -> None:
-    """Record the final phase times (the manifest's checksummed files are unchanged)."""
-    path = store.path_of(manifest.id) / "manifest.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(manifest.dumps())
-    os.replace(tmp, path)
+    """Record the final phase times (the manifest's checksummed files are unchanged; it is signed anew)."""
+    store.rewrite(manifest)

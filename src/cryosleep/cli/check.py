@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from cryosleep import eligibility
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import attach_published
-from cryosleep.agent.job import JobDir
+from cryosleep.capture import criu_install, eligibility, netlock
 from cryosleep.cli.output import emit_json, table
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import attach_published
+from cryosleep.core.job import JobDir, list_jobs
+from cryosleep.errors import CryosleepError
 
 
 def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -19,7 +20,7 @@ def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_check(a: argparse.Namespace) -> int:
-    checks = eligibility.system_checks()
+    checks = eligibility.system_checks() + _dead_dumps()
     if a.job:
         job = JobDir(a.job)
         spec, st = job.read()
@@ -38,6 +39,26 @@ def cmd_check(a: argparse.Namespace) -> int:
         print(table(["check", "ok", "detail"], [[c.name, "yes" if c.ok else "NO", c.detail] for c in checks]))
         print("eligible" if ok else "NOT eligible: see the rows marked NO")
     return 0 if ok else 1
+
+
+def _dead_dumps() -> list[eligibility.Check]:
+    """What the agents of this machine's jobs left when they died during a dump (their CRIU, network lock and
+    staging: capture/netlock.py) is undone here, and told."""
+    out: list[eligibility.Check] = []
+    dead = [(spec, st) for spec, st in list_jobs() if st.dump and not JobDir(spec.name).agent_alive()]
+    if not dead:
+        return out
+    try:
+        nft = criu_install.locate().nft_argv
+    except CryosleepError:
+        nft = None
+    for spec, st in dead:
+        assert st.dump is not None
+        done = netlock.undo(netlock.DumpRecord.from_json(st.dump), nft)
+        if done:
+            out.append(eligibility.Check("dead agent's dump", True,
+                                         f"job {spec.name}'s agent died during a dump; undone: {', '.join(done)}"))
+    return out
 
 
 def _nccl(job: JobDir, ranks: list[int], init_pid: int) -> list[eligibility.Check]:

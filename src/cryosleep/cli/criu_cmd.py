@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cryosleep.capture import criu_install
 from cryosleep.cli.output import emit_json
+from cryosleep.core.debs import Say
 
 
 def add_criu(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,7 +29,7 @@ def add_criu(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.set_defaults(func=cmd_status)
 
 
-def _progress(enabled: bool) -> criu_install.ProgressFn | None:
+def _progress(enabled: bool) -> Say | None:
     if not enabled:
         return None
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.agent.job import JobDir
 from cryosleep.cli.output import human_bytes, table
+from cryosleep.core.job import JobDir
 from cryosleep.errors import CryosleepError
 from cryosleep.store.local import LocalStore
 

@@ -1,11 +1,10 @@
-"""`cryosleep run`, `restore` and `jobs`: starting, bringing back and listing jobs on this node."""
+"""`cryosleep run` and `restore`: starting and bringing back jobs on this node."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import secrets
 import socket
 import sys
 from collections.abc import Callable
@@ -13,16 +12,25 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.agent.agent import Agent
+from cryosleep.agent import failures, resume
+from cryosleep.agent.agent import Agent, become_subreaper, take_job_lock
 from cryosleep.agent.coordinated import RestoreRendezvous, problems_of
-from cryosleep.agent.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, list_jobs
 from cryosleep.capture import outbound
+from cryosleep.cli import launch_args, resuming
 from cryosleep.cli.host_cmd import place_snapshot
-from cryosleep.cli.output import PhasePrinter, emit_json, require_root, table, when
-from cryosleep.cli.transfer import add_persist_options, fetch_for_restore, remote_config, retention_of
+from cryosleep.cli.output import PhasePrinter, emit_json, require_root, seconds_arg
+from cryosleep.cli.transfer import (
+    add_persist_options,
+    add_trust_options,
+    fetch_for_restore,
+    remote_config,
+    retention_of,
+    trust_of,
+)
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
+from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
 from cryosleep.store.local import LocalStore
@@ -37,20 +45,19 @@ def free_port() -> int:
 
 
 def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("run", help="run a training script under Cryosleep (a drop-in for torchrun on one node)",
-                       description="Start the workers like torchrun does, inside a sandbox Cryosleep can capture.")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
-    p.add_argument("--master-port", "--master_port", type=int, default=0,
-                   help="rendezvous port (default: a free one, as with torchrun --standalone)")
-    p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
-    p.add_argument("--run-id", "--run_id", default="")
+    p = sub.add_parser("run", help="run a training script under Cryosleep (a drop-in for torchrun)",
+                       usage="cryosleep run [OPTIONS] SCRIPT [SCRIPT ARGS...]",
+                       description="Start the workers like torchrun 2.13 does, inside a sandbox Cryosleep can "
+                       "capture. The options before SCRIPT are torchrun's and Cryosleep's, spelled in full; "
+                       "everything after SCRIPT is the script's own (docs/torchrun.md).")
     p.add_argument("--name", help="job name (default: the script's name)")
-    p.add_argument("--no-python", "--no_python", action="store_true", help="run the program directly")
-    p.add_argument("-m", "--module", action="store_true", help="run the script as a Python module")
     p.add_argument("--detach", action="store_true", help="return once the job runs; follow it with `jobs`")
+    p.add_argument("--fresh", action="store_true",
+                   help="start the job anew even if it is suspended in a snapshot (default: the same launch line "
+                   "resumes a job that a stop snapshot suspended; docs/platforms.md)")
+    p.add_argument("--resume", choices=["auto", "latest"], default="auto",
+                   help="latest: also when the job's last run died without a stop snapshot, restore its newest "
+                   "verified snapshot with this command (default auto: only a suspended job resumes)")
     p.add_argument("--no-interceptor", action="store_true",
                    help="do not preload Cryosleep's NCCL interceptor into the workers (a job that then holds live "
                    "NCCL communicators on GPUs cannot be snapshot)")
@@ -80,9 +87,8 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_coordinator_args(p, f"a multi-node job's coordinator (default ${coord_client.ENV_URL} when --nnodes > 1): "
                          "it runs every snapshot of the job on all its nodes at once (docs/coordinator.md)")
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
-    p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_run)
+    launch_args.add_torchrun_options(p)
+    p.set_defaults(func=cmd_run, script=None, args=[])
 
     r = sub.add_parser("restore", help="bring a job back from a snapshot and supervise it")
     r.add_argument("snapshot")
@@ -90,8 +96,9 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="where the snapshot is: a store directory, or s3://bucket/prefix (fetched and verified "
                    "into $CRYOSLEEP_STORE first; the restored job goes on persisting there)")
     add_persist_options(r, store=False)
+    add_trust_options(r)
     add_trigger_args(r)
-    r.add_argument("--timeout", type=float, default=600.0)
+    r.add_argument("--timeout", type=seconds_arg, default=600.0, help="give up after this (e.g. 600, 10m)")
     r.add_argument("--net-peers", default="", metavar="IP,...",
                    help="a job network spanning hosts: the other hosts' addresses (VXLAN overlay peers; default "
                    "with --coordinator: learned at the restore's barrier)")
@@ -109,10 +116,6 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r.add_argument("--detach", action="store_true")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_restore)
-
-    j = sub.add_parser("jobs", help="list the jobs on this node")
-    j.add_argument("--json", action="store_true")
-    j.set_defaults(func=cmd_jobs)
 
 
 def add_coordinator_args(p: argparse.ArgumentParser, what: str) -> None:
@@ -132,44 +135,34 @@ def coordinator_of(a: argparse.Namespace, nnodes: int) -> tuple[str, str] | None
 
 
 def build_spec(a: argparse.Namespace) -> JobSpec:
-    if (a.nnodes != 1 or a.node_rank != 0) and a.net != "job":
+    launch = launch_args.resolve(a)
+    if (launch.nnodes != 1 or launch.node_rank != 0) and a.net != "job":
         raise UsageError("a multi-node job needs the job network",
-                         f"--nnodes {a.nnodes} --node-rank {a.node_rank} without --net job: restored nodes could "
-                         "not find each other again", "add --net job (and the same --run-id on every node)")
-    if a.nnodes > 1 and not a.run_id:
-        raise UsageError("a multi-node job needs --run-id", "every node derives the job's network from it",
-                         "give the same --run-id to every node of the job")
-    if a.nproc_per_node < 1:
-        raise UsageError("--nproc-per-node must be at least 1", f"got {a.nproc_per_node}", "")
-    if a.no_python:
-        program = [a.script, *a.args]
-    elif a.module:
-        program = [sys.executable, "-u", "-m", a.script, *a.args]
-    else:
-        script = Path(a.script)
-        if not script.is_file():
-            raise UsageError(f"no such script: {a.script}", "the file does not exist", "check the path")
-        program = [sys.executable, "-u", str(script.resolve()), *a.args]
+                         f"--nnodes {launch.nnodes} --node-rank {launch.node_rank} without --net job: restored nodes "
+                         "could not find each other again", "add --net job (and the same --rdzv-id on every node)")
+    if not a.no_python and not a.module and not Path(a.script).is_file():
+        raise UsageError(f"no such script: {a.script}", "the file does not exist", "check the path")
     name = check_name(a.name or Path(a.script).stem.replace("_", "-"))
-    run_id = a.run_id or secrets.token_hex(4)
     net: dict[str, Any] = {}
-    master_addr = a.master_addr
+    master_addr = launch.master_addr
     if a.net == "job":
         # Node 0's job address is the rendezvous: it moves with node 0's image (--master-addr names node 0's
         # host, which the workers never need inside the job network).
-        jn = net_plan.job_net(run_id, a.node_rank, a.nnodes)
+        jn = net_plan.job_net(launch.run_id, launch.node_rank, launch.nnodes)
         net, master_addr = jn.to_json(), net_plan.node_address(jn.subnet, 0)
-    if a.nnodes > 1:  # each node of the job is its own job on its host: NAME.node<I> (docs/network.md)
-        name = check_name(f"{name}.node{a.node_rank}")
-    if a.nnodes > 1 and not a.master_port:
-        raise UsageError("a multi-node job needs --master-port", "every node must use the same port",
-                         "give the same --master-port to every node")
+    if launch.nnodes > 1:  # each node of the job is its own job on its host: NAME.node<I> (docs/network.md)
+        name = check_name(f"{name}.node{launch.node_rank}")
+    env = dict(os.environ)
+    if launch.shutdown_timeout is not None:  # the sandbox's init: SIGTERM, then SIGKILL after this
+        env["CRYOSLEEP_KILL_GRACE_S"] = str(launch.shutdown_timeout)
     return JobSpec(
-        name=name, program=program, cwd=os.getcwd(), env=dict(os.environ),
-        nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank, master_addr=master_addr,
-        master_port=a.master_port or free_port(), run_id=run_id,
+        name=name, program=launch.program, cwd=os.getcwd(), env=env,
+        nproc_per_node=launch.nproc_per_node, nnodes=launch.nnodes, node_rank=launch.node_rank,
+        master_addr=master_addr, master_port=launch.master_port or free_port(), run_id=launch.run_id,
         interceptor=not a.no_interceptor, fast_path=a.fast_path, net=net,
         outbound=outbound.Policy.parse(a.outbound_reset, a.outbound_keep, a.outbound_drain).to_json(),
+        rdzv_id=launch.rdzv_id, role=launch.role, local_ranks_filter=launch.local_ranks_filter,
+        signals_to_handle=launch.signals_to_handle,
     )
 
 
@@ -236,6 +229,8 @@ def _describe(agent: Agent) -> dict[str, Any]:
 
 
 def _finish(agent: Agent, code: int, as_json: bool) -> int:
+    """The job's end, as torchrun reports it: a failed worker makes the launcher exit 1 (its own code is in the
+    summary and the job's record); 75 (EXIT_SUSPENDED) is Cryosleep's own: suspended in a stop snapshot."""
     if as_json:
         emit_json({"job": agent.spec.name, "state": agent.state.state, "exit_code": code,
                    "detail": agent.state.detail})
@@ -243,9 +238,11 @@ def _finish(agent: Agent, code: int, as_json: bool) -> int:
         sys.stderr.write(f"cryosleep: job {agent.spec.name} is suspended in snapshot {agent.suspended_in}; "
                          f"bring it back with `cryosleep restore {agent.suspended_in}`\n")
     elif code != 0:
+        report = failures.summary(failures.entrypoint(agent.spec.program), failures.failures(agent.job, agent.spec))
+        sys.stderr.write(f"{report}\n" if report else "")
         sys.stderr.write(f"cryosleep: job {agent.spec.name} failed with exit code {code}"
                          f"{': ' + agent.state.detail if agent.state.detail else ''}\n")
-    return code
+    return code if code in (0, EXIT_SUSPENDED) else 1
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -258,9 +255,20 @@ def cmd_run(a: argparse.Namespace) -> int:
     spec.coordinator = coordinator[0] if coordinator else ""
     job = JobDir(spec.name)
     triggers = trigger_config(a)
+    if a.fresh and a.resume != "auto":
+        raise UsageError("--fresh and --resume latest contradict each other", "one starts anew, one resumes",
+                         "give one of them")
+    lock_fd = -1
+    if spec.nnodes == 1:  # decided under the job's lock: two launches of one job never both run it
+        become_subreaper()
+        lock_fd = take_job_lock(job, lambda m: sys.stderr.write(f"cryosleep: {m}\n"))
+        choice = resuming.decide(spec, "fresh" if a.fresh else a.resume, quiet=a.json or a.detach)
+        if choice.action == "restore" and choice.snapshot is not None:
+            return _resume(a, spec, choice.snapshot, lock_fd, triggers)
 
     def start(out: Any) -> Agent:
         agent = Agent(job, spec, out=out)
+        agent.lock_fd = lock_fd
         agent.coordinator = coordinator
         agent.net_peers = _peers(a.net_peers)
         if agent.learns_peers() and coordinator is not None:  # the overlay's peers come from the coordinator
@@ -275,6 +283,33 @@ def cmd_run(a: argparse.Namespace) -> int:
     if not a.json:
         sys.stderr.write(f"cryosleep: job {spec.name}: {spec.nproc_per_node} worker(s) running "
                          f"(snapshot it with `cryosleep snapshot {spec.name}`)\n")
+    return _finish(agent, agent.serve(), a.json)
+
+
+def _resume(a: argparse.Namespace, spec: JobSpec, snap: resume.Candidate, lock_fd: int,
+            triggers: Any) -> int:
+    """``run`` of a suspended job: its snapshot restored, under the lock the launcher took, then supervised as
+    ``run`` supervises (the launch line's triggers and store apply from here on)."""
+    where = None if snap.where == "local" else snap.where
+    store, manifest, _ = fetch_for_restore(snap.id, where, a.key_file, as_json=a.json, quiet=a.detach)
+    job = JobDir(spec.name)
+    printer = PhasePrinter(not a.json and not a.detach)
+
+    def start(out: Any) -> Agent:
+        agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
+        agent.lock_fd = lock_fd
+        agent.triggers = TriggerRunner(agent, triggers)
+        agent.restore(store, manifest.id, progress=printer)
+        agent.spec.persist = spec.persist  # the launch line's store and retention, as for a fresh start
+        agent.job.write(agent.spec, agent.state)
+        return agent
+
+    def describe(agent: Agent) -> dict[str, Any]:
+        return {**_describe(agent), "snapshot": manifest.id, "resumed": True, "phases": agent.restore_phases}
+
+    if a.detach:
+        return _detached(job.agent_log, start, describe, a.json)
+    agent = start(sys.stderr if a.json else sys.stdout)
     return _finish(agent, agent.serve(), a.json)
 
 
@@ -330,7 +365,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
                                        underlay=underlay)
         rendezvous.announce()
     try:
-        store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach)
+        store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach,
+                                                    trust=trust_of(a))
     except BaseException as e:
         if rendezvous is not None:  # the other nodes must not wait for an image this node could not get
             rendezvous.failed(problems_of(e))
@@ -359,7 +395,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
         if rendezvous is not None:
             rendezvous.log = agent.log_line
         agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map,
-                      rendezvous=rendezvous)
+                      rendezvous=rendezvous, trust=trust_of(a))
         if fetched is not None:  # the restored job goes on persisting where it came from
             retain = retention_of(a) or (agent.spec.persist or {}).get("retain")  # the job's own, unless given
             agent.spec.persist = remote_config(agent.spec.name, fetched["store"], a.key_file, a.local_keep, retain)
@@ -378,14 +414,3 @@ def cmd_restore(a: argparse.Namespace) -> int:
     agent = start(sys.stderr if a.json else sys.stdout)
     return _finish(agent, agent.serve(), a.json)
 
-
-def cmd_jobs(a: argparse.Namespace) -> int:
-    jobs = list_jobs()
-    if a.json:
-        emit_json([{"job": s.name, **st.to_json(), "ranks": s.ranks, "dir": str(JobDir(s.name).path)}
-                   for s, st in jobs])
-        return 0
-    rows = [[s.name, st.state, len(s.ranks), st.init_pid or "-", when(st.started_at),
-             st.last_snapshot or "-", st.detail] for s, st in jobs]
-    print(table(["job", "state", "ranks", "init", "started", "last snapshot", "detail"], rows))
-    return 0

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from cryosleep.agent import proctree
-from cryosleep.agent.job import JobDir
 from cryosleep.cli.output import emit_json, require_root
+from cryosleep.core import proctree
+from cryosleep.core.job import JobDir
 from cryosleep.errors import NotFound
 from cryosleep.net import sandbox as net_sandbox
 

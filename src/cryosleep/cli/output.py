@@ -34,6 +34,17 @@ def age_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def seconds_arg(text: str) -> float:
+    """An argparse type: a positive, finite time such as 600, 90s or 10m, in seconds ("nan", "inf", "-5" refused)."""
+    from cryosleep.errors import UsageError
+    from cryosleep.triggers.schedule import parse_duration
+
+    try:
+        return parse_duration(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(f"{e.what}: {e.why}") from None
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

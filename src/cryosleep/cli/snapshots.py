@@ -1,4 +1,4 @@
-"""`cryosleep snapshot`, `ls`, `show`, `verify`, `rm`: taking snapshots and looking after the store."""
+"""`cryosleep snapshot`, `ls`, `show`, `verify`, `resign`, `rm`: taking snapshots and looking after the store."""
 
 from __future__ import annotations
 
@@ -9,10 +9,20 @@ from pathlib import Path
 
 from cryosleep import paths
 from cryosleep.agent.control import ControlClient
-from cryosleep.agent.job import JobDir
 from cryosleep.cli import transfer
-from cryosleep.cli.output import PhasePrinter, emit_json, human_bytes, phase_table, require_root, table, when
+from cryosleep.cli.output import (
+    PhasePrinter,
+    emit_json,
+    human_bytes,
+    phase_table,
+    require_root,
+    seconds_arg,
+    table,
+    when,
+)
+from cryosleep.core.job import JobDir
 from cryosleep.errors import StoreCorrupt, UsageError
+from cryosleep.store import auth, persist
 from cryosleep.store.local import LocalStore
 from cryosleep.store.persist import is_remote, normalize_url, remove_record
 
@@ -36,7 +46,8 @@ def add_snapshots(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     s.add_argument("job")
     s.add_argument("--stop", action="store_true",
                    help="end the job once the snapshot is complete and verified (default: keep it running)")
-    s.add_argument("--timeout", type=float, default=600.0, help="give up (and resume the job) after this")
+    s.add_argument("--timeout", type=seconds_arg, default=600.0,
+                   help="give up (and resume the job) after this (e.g. 600, 10m)")
     s.add_argument("--store", type=Path, default=None, help="store directory (default $CRYOSLEEP_STORE)")
     s.add_argument("--rehearse", action="store_true",
                    help="drain the job's NCCL ranks to a consistent cut, quiesce and rebuild their communicators, "
@@ -61,6 +72,21 @@ def add_snapshots(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     v.add_argument("--store", type=Path, default=None)
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
+
+    transfer.add_trust_options(v)
+
+    rs = sub.add_parser("resign", help="sign a snapshot's manifest again under the job's key now (key rotation: "
+                        "no image byte is copied or uploaded)")
+    rs.add_argument("snapshot")
+    rs.add_argument("--store", default=None, help="store directory or s3://bucket/prefix (default $CRYOSLEEP_STORE)")
+    rs.add_argument("--from-key-file", type=Path, default=None, metavar="FILE",
+                    help="the key it is signed with now (default: the job's key, found as `verify` finds it)")
+    rs.add_argument("--sign-key-file", type=Path, default=None, metavar="FILE",
+                    help="the key to sign it with (default: the job's key, found as a snapshot finds it)")
+    rs.add_argument("--key-file", type=Path, default=None, help="the job's encryption key (a root of its signing key)")
+    rs.add_argument("--allow-unsigned", action="store_true", help="sign a snapshot that is not signed yet")
+    rs.add_argument("--json", action="store_true")
+    rs.set_defaults(func=cmd_resign)
 
     rm = sub.add_parser("rm", help="remove snapshots from the store")
     rm.add_argument("snapshots", nargs="+")
@@ -184,16 +210,51 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
+    """The manifest's MAC and paths (store/auth.py), then every file against its checksum."""
     store = _store(a)
     sid = store.resolve(a.snapshot)
+    try:
+        how = auth.authenticate(store.load(sid), sid, transfer.trust_of(a))
+    except auth.Unauthenticated as e:
+        if not a.json:
+            raise
+        emit_json({"snapshot": sid, "ok": False, "authenticated": False, "problems": [e.why], "error": e.to_json()})
+        return 1
     problems = store.verify(sid)
     if a.json:
-        emit_json({"snapshot": sid, "ok": not problems, "problems": problems})
+        emit_json({"snapshot": sid, "ok": not problems, "authenticated": True, "auth": how, "problems": problems})
         return 1 if problems else 0
     if problems:
         raise StoreCorrupt(f"snapshot {sid} failed verification", "; ".join(problems),
                            "do not restore it; restore another snapshot and remove this one")
-    print(f"snapshot {sid}: every file matches its checksum")
+    print(f"snapshot {sid}: {how}; every file matches its checksum")
+    return 0
+
+
+def cmd_resign(a: argparse.Namespace) -> int:
+    """Key rotation: a snapshot authenticated under its current key (``--from-key-file``), its files checked,
+    then its manifest signed under the job's key now (``--sign-key-file``...); no image byte is copied."""
+    old = auth.Trust(key_file=a.key_file, sign_key_file=a.from_key_file, allow_unsigned=a.allow_unsigned)
+    new = auth.Trust(key_file=a.key_file, sign_key_file=a.sign_key_file)
+    if (url := _chunk_store_url(a)) is not None:
+        snap, before, key_id = persist.resign_remote(url, a.snapshot, old, new)
+        sid, where = snap.id, url
+    else:
+        store = _store(a)
+        sid, where = store.resolve(a.snapshot), str(store.root)
+        manifest = store.load(sid)
+        before = auth.authenticate(manifest, sid, old)
+        problems = store.verify(sid)  # re-signing must not vouch for files that do not match
+        if problems:
+            raise StoreCorrupt(f"snapshot {sid} failed verification; it was not re-signed", "; ".join(problems[:5]),
+                               "do not restore it; restore another snapshot and remove this one")
+        _, key = auth.resign(manifest, sid, old, new)
+        store.rewrite(manifest, sign=False)
+        key_id = key.key_id
+    if a.json:
+        emit_json({"snapshot": sid, "store": where, "before": before, "key_id": key_id})
+    else:
+        print(f"snapshot {sid}: was {before}; now signed with key {key_id}")
     return 0
 
 

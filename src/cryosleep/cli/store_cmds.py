@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from cryosleep import paths
 from cryosleep.cli.output import age_arg, emit_json, human_bytes, table
-from cryosleep.errors import StoreCorrupt
-from cryosleep.store.backend import open_backend
+from cryosleep.cli.transfer import trust_of
+from cryosleep.errors import CryosleepError, StoreCorrupt
 from cryosleep.store.gc import GRACE_S, collect
-from cryosleep.store.persist import is_remote
-from cryosleep.store.retention import Decision, Policy, SnapshotInfo, decide
+from cryosleep.store.persist import authentic, is_remote
+from cryosleep.store.retention import Policy, RetentionDecision, SnapshotInfo, decide
+from cryosleep.store.urls import open_backend
 
 if TYPE_CHECKING:
     from cryosleep.store.cas import ChunkStore, Snapshot
@@ -73,7 +74,7 @@ def _info(s: Snapshot, latest: dict[str, str]) -> SnapshotInfo:
 def cmd_gc(a: argparse.Namespace) -> int:
     store = _chunk_store(a.store)
     policy = Policy(keep_last=a.keep_last, keep_every=a.keep_every, max_age=a.max_age)
-    decisions: list[Decision] = []
+    decisions: list[RetentionDecision] = []
     if not policy.empty:
         snaps = store.snapshots()
         latest = {s.job: s.id for s in snaps}  # sorted oldest first: the last one per job wins
@@ -113,20 +114,29 @@ def cmd_verify_deep(a: argparse.Namespace) -> int:
 
     store = _chunk_store(a.store)
     snap = store.load(a.snapshot)
+    try:  # the manifest's MAC, and the chunk index against it, before any chunk is read
+        _, how = authentic(snap, trust_of(a))
+    except CryosleepError as e:
+        if not a.json:
+            raise
+        emit_json({"snapshot": snap.id, "store": store.backend.url, "ok": False, "authenticated": False,
+                   "problems": [{"what": e.why or e.what}], "error": e.to_json()})
+        return 1
     key = load_key(snap.job, a.key_file, required=snap.encryption is not None)
     t0 = time.monotonic()
     snap, problems, checked = store.verify(snap.id, key=key)
     seconds = time.monotonic() - t0
     if a.json:
-        emit_json({"snapshot": snap.id, "store": store.backend.url, "ok": not problems, "chunks_checked": checked,
-                   "bytes": snap.bytes, "seconds": round(seconds, 3), "problems": [p.to_json() for p in problems]})
+        emit_json({"snapshot": snap.id, "store": store.backend.url, "ok": not problems, "authenticated": True,
+                   "auth": how, "chunks_checked": checked, "bytes": snap.bytes, "seconds": round(seconds, 3),
+                   "problems": [p.to_json() for p in problems]})
         return 1 if problems else 0
     if problems:
         raise StoreCorrupt(f"snapshot {snap.id} failed deep verification ({len(problems)} problems)",
                            "; ".join(p.what for p in problems[:5]) + (" ..." if len(problems) > 5 else ""),
                            "do not restore it; restore another snapshot and remove this one",
                            chunks=[p.chunk for p in problems if p.chunk])
-    print(f"snapshot {snap.id}: {checked} chunks re-read and re-hashed, {len(snap.files)} files "
+    print(f"snapshot {snap.id}: {how}; {checked} chunks re-read and re-hashed, {len(snap.files)} files "
           f"({human_bytes(snap.bytes)}) intact in {seconds:.2f} s")
     return 0
 

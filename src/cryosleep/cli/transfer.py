@@ -18,10 +18,26 @@ from cryosleep import paths
 from cryosleep.cli.output import age_arg, human_bytes
 from cryosleep.errors import NotFound, UsageError
 from cryosleep.store import persist
+from cryosleep.store.auth import Trust, authenticate
 from cryosleep.store.local import LocalStore
 from cryosleep.store.manifest import Manifest
 
-__all__ = ["TransferPrinter", "add_persist_options", "fetch_for_restore", "remote_config", "retention_of", "summary"]
+__all__ = ["TransferPrinter", "add_persist_options", "add_trust_options", "fetch_for_restore", "remote_config",
+           "retention_of", "summary", "trust_of"]
+
+
+def add_trust_options(p: argparse.ArgumentParser) -> None:
+    """--sign-key-file and --allow-unsigned: how a snapshot is authenticated (docs/security.md)."""
+    p.add_argument("--sign-key-file", type=Path, default=None, metavar="FILE",
+                   help="the job's signing key (default $CRYOSLEEP_SIGN_KEY, $CRYOSLEEP_SIGN_KEY_FILE, "
+                   "$CRYOSLEEP_SIGN_KEY_COMMAND, $CRYOSLEEP_HOME/keys/JOB.sign, the job's --key-file, the host's key)")
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="accept a snapshot whose manifest has no MAC (an altered or foreign one is still refused)")
+
+
+def trust_of(a: argparse.Namespace) -> Trust:
+    return Trust(key_file=getattr(a, "key_file", None), sign_key_file=getattr(a, "sign_key_file", None),
+                 allow_unsigned=bool(getattr(a, "allow_unsigned", False)))
 
 
 def add_persist_options(p: argparse.ArgumentParser, *, store: bool = True) -> None:
@@ -70,23 +86,30 @@ def remote_config(job: str, url: str | Path | None, key_file: Path | None, local
 
 
 def fetch_for_restore(ref: str, store_arg: str | Path | None, key_file: Path | None, *,
-                      as_json: bool, quiet: bool) -> tuple[LocalStore, Manifest, dict[str, Any] | None]:
+                      as_json: bool, quiet: bool, trust: Trust | None = None) -> tuple[
+                          LocalStore, Manifest, dict[str, Any] | None]:
     """The local store holding the snapshot, its manifest, and what was fetched from where (None: it was local):
     {"store", "bytes", "seconds", "rate"}.
 
     ``store_arg``: s3://... (fetched into $CRYOSLEEP_STORE unless already there), or a directory whose
-    directory store is tried first, then its chunk store (``DIR/cas``)."""
+    directory store is tried first, then its chunk store (``DIR/cas``), whose snapshot is authenticated (``trust``)
+    before anything is fetched."""
     remote = persist.is_remote(store_arg)
     local = LocalStore(paths.default_store() if remote or store_arg is None else Path(store_arg))
     try:
-        return local, local.load(ref), None
+        sid = local.resolve(ref)
+        manifest = local.load(sid)
+        # before anything uses what the manifest says (the job's name, its spec); the restore checks again
+        authenticate(manifest, sid, trust or Trust(key_file=key_file))
+        return local, manifest, None
     except NotFound:
         url = persist.normalize_url(store_arg) if remote and store_arg is not None else str(local.root)
         if not remote and not (local.root / "cas" / "snapshots").is_dir():
             raise
     printer = TransferPrinter(as_json=as_json, quiet=quiet)
     try:
-        manifest, rec = persist.fetch(url, ref, local, key_file=key_file, progress=printer)
+        manifest, rec = persist.fetch(url, ref, local, key_file=key_file, progress=printer,
+                                      trust=trust or Trust(key_file=key_file))
     finally:
         printer.close()
     rate = rec.bytes_total / rec.verify_s if rec.verify_s else 0.0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 
-from cryosleep.agent.job import JobDir
 from cryosleep.cli.output import emit_json, table
+from cryosleep.core.job import JobDir
 from cryosleep.errors import UsageError
 from cryosleep.triggers import decisions, notices
 from cryosleep.triggers.runner import TriggerConfig

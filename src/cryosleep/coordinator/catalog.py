@@ -152,8 +152,11 @@ class Catalog:
                 raise UsageError(f"node {node_rank} of job {job!r} registered with --nnodes {nnodes}",
                                      f"the job is known with {row['nnodes']} nodes",
                                      "give every node agent of one job the same --nnodes, or use another job name")
-            if row is not None and row["state"] == "suspended" and (old is None or old["incarnation"] != incarnation):
-                # a new agent process for a suspended job: it was restored
+            if row is not None and row["state"] in ("suspended", "damaged") and (
+                    old is None or old["incarnation"] != incarnation):
+                # a new agent process for a suspended job, or for one a failed rollback ended on every node: it was
+                # restored (a recovery that ends the old incarnations after the restored ones registered leaves the
+                # job's state to them: SnapshotRun.rollback)
                 c.execute("UPDATE jobs SET state = 'running' WHERE name = ?", (job,))
             c.execute("DELETE FROM agents WHERE id = ?", (agent_id,))
             c.execute("INSERT INTO agents (id, job, node_rank, incarnation, hostname, address, ranks, facts, "

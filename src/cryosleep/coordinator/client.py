@@ -27,18 +27,14 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote, urlsplit
 
-from cryosleep.coordinator.protocol import Command, ProtocolError, Result
-from cryosleep.errors import CryosleepError, UsageError, from_json
+from cryosleep.coordinator.protocol import Command, Result
+from cryosleep.errors import CryosleepError, ProtocolError, Unreachable, UsageError, from_json
 
 ENV_URL = "CRYOSLEEP_COORDINATOR"
 ENV_TOKEN_FILE = "CRYOSLEEP_COORDINATOR_TOKEN_FILE"
 ENV_TOKEN = "CRYOSLEEP_COORDINATOR_TOKEN"
 PIGGYBACK_S = 0.05  # a result ready this soon after its command arrived rides on the next poll
 KEEP_RESULTS = 4096  # results kept for repeated deliveries (a snapshot of 128 nodes uses a few dozen ids)
-
-
-class Unreachable(CryosleepError):
-    kind = "unreachable"
 
 
 def resolve(url: str | None, token_file: str | Path | None) -> tuple[str, str]:

@@ -18,9 +18,9 @@ from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.placement import Placements
-from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, ProtocolError, Result
+from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
 from cryosleep.coordinator.rendezvous import Board
-from cryosleep.errors import Busy, NotEligible, NotFound, UsageError
+from cryosleep.errors import Busy, NotEligible, NotFound, ProtocolError, UsageError
 
 
 @dataclass

@@ -60,9 +60,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryosleep.agent.interceptor import CommSlot
+from cryosleep.core.interceptor import CommSlot
 from cryosleep.cut.rules import CommTarget, RankView
-from cryosleep.errors import CryosleepError
+from cryosleep.errors import CryosleepError, ProtocolError
 
 PROTOCOL_VERSION = 1
 GEN_STRIDE = 8  # generations reserved per command (HOLD + QUIESCE of a re-quiesce, REBUILD + RUN, ...)
@@ -90,14 +90,6 @@ class Op(enum.StrEnum):
 class Mode(enum.StrEnum):
     KEEP_RUNNING = "keep-running"
     STOP = "stop"
-
-
-class ProtocolError(CryosleepError):
-    kind = "protocol"
-
-
-class Unauthorized(CryosleepError):
-    kind = "unauthorized"
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
 from cryosleep.coordinator.metrics import CONTENT_TYPE_LATEST
-from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Unauthorized
-from cryosleep.errors import CryosleepError, NotFound, UsageError
+from cryosleep.coordinator.protocol import PROTOCOL_VERSION
+from cryosleep.errors import CryosleepError, NotFound, Unauthorized, UsageError
 
 __all__ = ["Coordinator", "Server", "ServiceConfig", "parse_listen", "read_token", "shutdown", "start"]
 

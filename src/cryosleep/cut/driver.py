@@ -21,15 +21,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from cryosleep.agent.interceptor import (
-    Cmd,
-    ControlBlock,
-    InterceptorError,
-    Rebuild,
-    SlotState,
-    State,
-    flag_reasons,
-)
+from cryosleep.core.interceptor import Cmd, ControlBlock, Rebuild, SlotState, State, flag_reasons
 from cryosleep.cut.rules import (
     Action,
     CommTarget,
@@ -40,7 +32,7 @@ from cryosleep.cut.rules import (
     relay_plan,
     slot_targets,
 )
-from cryosleep.errors import CaptureFailed, CryosleepError
+from cryosleep.errors import CaptureFailed, CryosleepError, InterceptorError
 
 # How long a control thread may take to answer a command that involves no NCCL work (it polls every
 # 5 ms while running, every 1 ms otherwise).

@@ -27,7 +27,7 @@ import enum
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cryosleep.agent.interceptor import CommSlot, Rebuild, SlotState, WaitKind
+from cryosleep.core.interceptor import CommSlot, Rebuild, SlotState, WaitKind
 
 Pair = tuple[int, int]  # (sender's rank, receiver's rank), in the communicator
 
@@ -86,7 +86,7 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class Relay:
+class IdRoute:
     """REBUILD: copy the fresh unique id of ``ident`` from its rank-0 member to the other members."""
 
     ident: int
@@ -300,7 +300,7 @@ def decide(now: float, deadline: float, views: Sequence[RankView], floor: Target
     return Decision(Action.WAIT, targets, "waiting for " + ", ".join(f"rank {r}" for r in unsettled))
 
 
-def relay_plan(views: Sequence[tuple[int, Sequence[CommSlot]]], gen: int) -> tuple[list[Relay], list[int]]:
+def relay_plan(views: Sequence[tuple[int, Sequence[CommSlot]]], gen: int) -> tuple[list[IdRoute], list[int]]:
     """REBUILD: the id copies that can be made now, and the communicators whose rank-0 member has not yet
     published this generation's id. ``views`` is (job rank, its slots) per rank."""
     members: dict[int, list[tuple[int, CommSlot]]] = {}
@@ -308,7 +308,7 @@ def relay_plan(views: Sequence[tuple[int, Sequence[CommSlot]]], gen: int) -> tup
         for s in slots:
             if s.state == SlotState.LIVE and s.rebuild == Rebuild.FROM_ID:
                 members.setdefault(s.ident, []).append((rank, s))
-    relays: list[Relay] = []
+    relays: list[IdRoute] = []
     pending: list[int] = []
     for ident, ms in sorted(members.items()):
         roots = [(r, s) for r, s in ms if s.rank == 0]
@@ -317,5 +317,5 @@ def relay_plan(views: Sequence[tuple[int, Sequence[CommSlot]]], gen: int) -> tup
             continue
         dest = tuple((r, s.index) for r, s in ms if s.rank != 0 and s.uid_gen != gen)
         if dest:
-            relays.append(Relay(ident, (roots[0][0], roots[0][1].index), dest))
+            relays.append(IdRoute(ident, (roots[0][0], roots[0][1].index), dest))
     return relays, pending

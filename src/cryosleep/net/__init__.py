@@ -5,7 +5,8 @@ by a VXLAN overlay across hosts (docs/network.md).
     host      the host side (iproute2, nft): bridge and gateway, each sandbox's veth, the overlay, teardown
 """
 
-from cryosleep.net.host import Host, NetError
+from cryosleep.errors import NetError
+from cryosleep.net.host import Host
 from cryosleep.net.plan import IFNAME, JobNet, host_end_name, job_net, node_address
 
 __all__ = ["IFNAME", "Host", "JobNet", "NetError", "host_end_name", "job_net", "node_address"]

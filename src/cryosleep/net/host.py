@@ -2,7 +2,7 @@
 
 Everything is done with iproute2 (``ip``, ``bridge``), which CRIU itself needs on the machine too (it saves
 and restores a namespace's addresses and routes with ``ip``): the system's when it is on PATH, else the copy
-in Cryosleep's private CRIU prefix (``criu_install.iproute_argv``; the GPU machines have no iproute2); and
+in Cryosleep's private CRIU prefix (``net/tools.py``; the GPU machines have no iproute2); and
 the gateway's rules with the ``nft`` that comes with CRIU.
 
 A :class:`Host` acts on the network namespace it is given (``ns_pid``: any process in it) or on the
@@ -31,20 +31,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cryosleep.agent import proctree
-from cryosleep.capture import criu_install
-from cryosleep.capture.criu_install import iproute_argv
-from cryosleep.errors import CryosleepError, IprouteUnavailable
+from cryosleep.core import proctree
+from cryosleep.errors import IprouteUnavailable, NetError
 from cryosleep.net.plan import VXLAN_PORT, JobNet
+from cryosleep.net.tools import iproute_argv, nft_argv
 
-__all__ = ["Host", "NetError"]
+__all__ = ["Host"]
 
 HINT = "run as root on Linux with the veth, bridge and vxlan kernel modules; `cryosleep check`"
 ZERO_MAC = "00:00:00:00:00:00"
-
-
-class NetError(CryosleepError):
-    kind = "net"
 
 
 @dataclass(frozen=True)
@@ -110,10 +105,10 @@ class Host:
 
     def nft(self, *args: str, what: str, ok_if: Sequence[str] = (), stdin: str | None = None) -> str:
         """``nft`` (the one that comes with CRIU) in this host's network namespace."""
-        try:
-            program = criu_install.locate().nft_command()
-        except CryosleepError as e:
-            raise NetError(what, f"{e.what}: {e.why}", e.hint) from None
+        program = nft_argv()
+        if program is None:
+            raise NetError(what, "no nft binary: nft is not on PATH and no private CRIU prefix (which carries one) "
+                           "is installed", "run `cryosleep criu install` (as root), or install the system's nftables")
         return self._exec([*program, *args], what=what, ok_if=ok_if, stdin=stdin)
 
     def ensure_gateway(self, net: JobNet) -> None:

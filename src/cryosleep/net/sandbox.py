@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cryosleep.net.host import Host, NetError
+from cryosleep.errors import NetError
+from cryosleep.net.host import Host
 from cryosleep.net.plan import JobNet, host_end_name
 
 __all__ = ["after_restore", "attach", "hold", "prepare", "prepare_restore", "release", "set_peers", "undo_restore"]

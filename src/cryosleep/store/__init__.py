@@ -1,20 +1,22 @@
 """Snapshot images and their manifests: the local directory store (the embedded default), and the
-content-addressed chunk store with local and S3 backends (:mod:`cryosleep.store.cas`)."""
+content-addressed chunk store with local and S3 backends (:mod:`cryosleep.store.cas`). The store's errors
+are in :mod:`cryosleep.errors`."""
 
 from typing import Any
 
-from cryosleep.store.backend import Backend, BackendError, LocalBackend, ObjectInfo, ObjectNotFound, open_backend
+from cryosleep.store.backend import Backend, LocalBackend, ObjectInfo
 from cryosleep.store.gc import GcReport, collect
 from cryosleep.store.local import LocalStore, Staging
 from cryosleep.store.manifest import FORMAT_VERSION, FileEntry, Manifest, NodeImage, StagedFile
-from cryosleep.store.retention import Decision, Policy, SnapshotInfo, decide
+from cryosleep.store.retention import Policy, RetentionDecision, SnapshotInfo, decide
+from cryosleep.store.urls import open_backend
 
 # The chunk store needs numpy, zstandard and cryptography; the capture path (local store, manifest) must
 # import without them (the GPU machines run Cryosleep from source with only their own packages), so
 # these names load on first use.
 _LAZY = {
-    "ChunkCorrupt": "cas", "ChunkedFile": "cas", "ChunkRef": "cas", "ChunkStore": "cas", "Snapshot": "cas",
-    "UploadResult": "cas", "WrongKey": "cas", "ChunkSpec": "chunking", "JobKey": "crypto", "load_key": "crypto",
+    "ChunkedFile": "cas", "ChunkRef": "cas", "ChunkStore": "cas", "Snapshot": "cas",
+    "UploadResult": "cas", "ChunkSpec": "chunking", "JobKey": "crypto", "load_key": "crypto",
 }
 
 
@@ -29,13 +31,10 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "FORMAT_VERSION",
     "Backend",
-    "BackendError",
-    "ChunkCorrupt",
     "ChunkRef",
     "ChunkSpec",
     "ChunkStore",
     "ChunkedFile",
-    "Decision",
     "FileEntry",
     "GcReport",
     "JobKey",
@@ -44,14 +43,13 @@ __all__ = [
     "Manifest",
     "NodeImage",
     "ObjectInfo",
-    "ObjectNotFound",
     "Policy",
+    "RetentionDecision",
     "Snapshot",
     "SnapshotInfo",
     "StagedFile",
     "Staging",
     "UploadResult",
-    "WrongKey",
     "collect",
     "decide",
     "load_key",

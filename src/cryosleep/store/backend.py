@@ -6,7 +6,7 @@ an integrity check on both sides of every transfer. Object names are ``/``-separ
 without ``..``. ``ObjectInfo.mtime`` comes from the backend's own clock (the file system's, the S3
 server's), so the GC compares times from one clock only (see :mod:`cryosleep.store.gc`).
 
-Backends, picked by :func:`open_backend` from a store URL:
+Backends, picked by :func:`cryosleep.store.urls.open_backend` from a store URL:
 
 - a directory path: :class:`LocalBackend` over ``<dir>/cas/`` (beside the directory store's
   ``snapshots/``); writes go to a temporary file, are fsynced and renamed into place;
@@ -14,14 +14,9 @@ Backends, picked by :func:`open_backend` from a store URL:
   usual AWS variables and config files; ``$CRYOSLEEP_S3_ENDPOINT`` or ``AWS_ENDPOINT_URL`` for other
   S3-compatible servers).
 
-Errors::
-
-    CryosleepError
-     +-- NotFound
-     |    +-- ObjectNotFound     the named object does not exist
-     +-- BackendError            the backend failed (I/O, network, server); ``retryable`` says if it may pass
-     +-- StoreCorrupt
-          +-- IntegrityError     bytes read or written do not match their checksum
+Errors (in the one tree of :mod:`cryosleep.errors`): ``ObjectNotFound`` (the named object does not exist),
+``BackendError`` (the backend failed: I/O, network, server; ``retryable`` says if it may pass) and
+``IntegrityError`` (bytes read or written do not match their checksum).
 """
 
 from __future__ import annotations
@@ -35,36 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from cryosleep.errors import CryosleepError, NotFound, StoreCorrupt, UsageError
+from cryosleep.errors import (
+    BackendError,
+    IntegrityError,
+    ObjectNotFound,
+    UsageError,
+)
 
 __all__ = [
     "Backend",
-    "BackendError",
-    "IntegrityError",
     "LocalBackend",
     "ObjectInfo",
-    "ObjectNotFound",
     "check_name",
-    "open_backend",
 ]
 
 _COPY = 8 << 20
-
-
-class ObjectNotFound(NotFound):
-    kind = "object_not_found"
-
-
-class BackendError(CryosleepError):
-    kind = "backend_error"
-
-    def __init__(self, what: str, why: str = "", hint: str = "", *, retryable: bool = False) -> None:
-        super().__init__(what, why, hint)
-        self.retryable = retryable
-
-
-class IntegrityError(StoreCorrupt):
-    kind = "integrity_error"
 
 
 @dataclass(frozen=True)
@@ -243,19 +223,3 @@ class LocalBackend:
     def destroy(self) -> None:
         """Remove every object (tests)."""
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def open_backend(url: str | Path) -> Backend:
-    """The backend a store URL names: ``s3://bucket[/prefix]`` or a directory (its ``cas/`` folder)."""
-    text = str(url)
-    if text.startswith(("s3://", "s3:/")):  # "s3:/" too: argparse type=Path folds the double slash
-        from cryosleep.store.s3 import S3Backend
-
-        rest = text.split(":/", 1)[1].lstrip("/")
-        bucket, _, prefix = rest.partition("/")
-        if not bucket:
-            raise UsageError(f"invalid store URL {text!r}", "no bucket", "write s3://BUCKET[/PREFIX]")
-        return S3Backend(bucket, prefix)
-    if "://" in text:
-        raise UsageError(f"unsupported store URL {text!r}", "only directories and s3:// are supported", "")
-    return LocalBackend(Path(text) / "cas")

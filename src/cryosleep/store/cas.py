@@ -36,23 +36,31 @@ from typing import Any
 
 import zstandard
 
-from cryosleep.errors import CryosleepError, NotFound, StoreCorrupt, UsageError
+from cryosleep.errors import (
+    BackendError,
+    ChunkCorrupt,
+    CryosleepError,
+    IntegrityError,
+    NotFound,
+    ObjectNotFound,
+    StoreCorrupt,
+    UsageError,
+    WrongKey,
+)
 from cryosleep.store import gc as gcmod
-from cryosleep.store.backend import Backend, BackendError, IntegrityError, ObjectNotFound
+from cryosleep.store.backend import Backend
 from cryosleep.store.chunking import DEFAULT, ChunkSpec, iter_chunks
 from cryosleep.store.crypto import ALGORITHM, DecryptError, JobKey
 from cryosleep.store.manifest import FileEntry, Manifest
 
 __all__ = [
     "CAS_FORMAT",
-    "ChunkCorrupt",
     "ChunkRef",
     "ChunkStore",
     "ChunkedFile",
     "Problem",
     "Snapshot",
     "UploadResult",
-    "WrongKey",
     "chunk_name",
     "decode_chunk",
     "encode_chunk",
@@ -63,18 +71,11 @@ MAGIC = b"CSC1"
 F_ZSTD = 1
 F_SEALED = 2
 ZSTD_LEVEL = 3
-CHUNKS = "chunks/"
+CHUNKS = gcmod.CHUNKS
 SNAPSHOTS = "snapshots/"
-
-
-class ChunkCorrupt(StoreCorrupt):
-    """A chunk's bytes do not give back its address (altered, truncated, or not a chunk)."""
-
-    kind = "chunk_corrupt"
-
-
-class WrongKey(StoreCorrupt):
-    kind = "wrong_key"
+# No chunk is larger (chunking's largest is a few MiB): a stored frame that claims more is refused before
+# anything is allocated for it, so a forged chunk cannot exhaust memory.
+MAX_CHUNK = 256 << 20
 
 
 def chunk_name(address: str) -> str:
@@ -101,8 +102,9 @@ def encode_chunk(plain: bytes, key: JobKey | None, cctx: zstandard.ZstdCompresso
 
 
 def decode_chunk(address: str, blob: bytes, key: JobKey | None, *, expected_key_id: str | None = None,
-                 where: str = "") -> bytes:
-    """The plaintext of a stored chunk, checked against its address; ChunkCorrupt or WrongKey naming it."""
+                 where: str = "", limit: int = MAX_CHUNK) -> bytes:
+    """The plaintext of a stored chunk, checked against its address; ChunkCorrupt or WrongKey naming it, for any
+    bytes at all. ``limit``: the most plaintext bytes it may hold."""
     at = f" ({where})" if where else ""
     if len(blob) < 5 or blob[:4] != MAGIC:
         raise ChunkCorrupt(f"chunk {address}{at} is damaged", "it does not start with a chunk header",
@@ -128,8 +130,14 @@ def decode_chunk(address: str, blob: bytes, key: JobKey | None, *, expected_key_
                                "the store lost or altered it; restore another snapshot") from None
     elif key is not None and expected_key_id is not None:
         raise ChunkCorrupt(f"chunk {address}{at} is not encrypted but the snapshot is", "", "")
+    if flags & ~(F_ZSTD | F_SEALED):
+        raise ChunkCorrupt(f"chunk {address}{at} is damaged", f"unknown flags {flags:#x} in its header",
+                           "the store lost or altered it; restore another snapshot")
     if flags & F_ZSTD:
         try:
+            size = zstandard.frame_content_size(payload)
+            if not 0 <= size <= limit:  # -1: not recorded (the writer always records it)
+                raise zstandard.ZstdError(f"its frame claims {size} bytes, at most {limit} expected")
             plain = zstandard.ZstdDecompressor().decompress(payload)
         except zstandard.ZstdError as e:
             raise ChunkCorrupt(f"chunk {address}{at} does not decompress", str(e),
@@ -169,8 +177,33 @@ class ChunkedFile(FileEntry):
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkedFile:
-        return cls(path=d["path"], size=int(d["size"]), sha256=d["sha256"], mode=int(d.get("mode", 0o644)),
-                   chunks=[ChunkRef(str(a), int(o), int(s), int(t)) for a, o, s, t in d["chunks"]])
+        """ValueError (or KeyError, TypeError) for anything that is not a file of a snapshot: a path that is not
+        a normal relative one (a restore writes it under its directory), a size or offset out of range."""
+        path = d["path"]
+        if not isinstance(path, str) or not _relative(path):
+            raise ValueError(f"file path {path!r:.80} is not a normal relative path")
+        chunks = [ChunkRef(_text(a), _count(o), _count(s), _count(t)) for a, o, s, t in d["chunks"]]
+        if any(c.size > MAX_CHUNK or len(c.address) != 64 for c in chunks):
+            raise ValueError(f"{path}: a chunk larger than {MAX_CHUNK} bytes, or an address not 64 hex digits")
+        return cls(path=path, size=_count(d["size"]), sha256=_text(d["sha256"]), mode=_count(d.get("mode", 0o644))
+                   & 0o777, chunks=chunks)
+
+
+def _relative(path: str) -> bool:
+    parts = path.split("/")
+    return bool(path) and "\0" not in path and not path.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def _count(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{v!r:.40} is not a count")
+    return v
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{v!r:.40} is not text")
+    return v
 
 
 @dataclass
@@ -219,12 +252,22 @@ class Snapshot:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Snapshot:
-        if d.get("format") != CAS_FORMAT:
-            raise ValueError(f"snapshot format {d.get('format')!r}, this Cryosleep reads {CAS_FORMAT}")
-        return cls(id=d["id"], job=d["job"], created_at=float(d["created_at"]),
+        """ValueError (or KeyError, TypeError) for anything that is not a snapshot's index."""
+        if not isinstance(d, dict) or d.get("format") != CAS_FORMAT:
+            fmt = d.get("format") if isinstance(d, dict) else d
+            raise ValueError(f"snapshot format {fmt!r:.40}, this Cryosleep reads {CAS_FORMAT}")
+        enc, manifest = d.get("encryption"), d.get("manifest")
+        if enc is not None and not (isinstance(enc, dict) and isinstance(enc.get("key_id"), str)):
+            raise ValueError(f"encryption {enc!r:.80} has no key id")
+        if manifest is not None and not isinstance(manifest, dict):
+            raise ValueError("its image manifest is not an object")
+        created = d["created_at"]
+        if not isinstance(created, int | float) or isinstance(created, bool):
+            raise ValueError(f"created_at {created!r:.40} is not a time")
+        return cls(id=_text(d["id"]), job=_text(d["job"]), created_at=float(created),
                    files=[ChunkedFile.from_json(f) for f in d["files"]], chunking=dict(d["chunking"]),
-                   encryption=d.get("encryption"), compression=d.get("compression", "zstd"),
-                   seq=int(d.get("seq", 0)), mode=d.get("mode", "keep-running"), manifest=d.get("manifest"))
+                   encryption=enc, compression=_text(d.get("compression", "zstd")),
+                   seq=_count(d.get("seq", 0)), mode=_text(d.get("mode", "keep-running")), manifest=manifest)
 
 
 @dataclass
@@ -454,7 +497,7 @@ class ChunkStore:
             return Snapshot.from_json(json.loads(self.backend.get(f"{SNAPSHOTS}{sid}.json")))
         except ObjectNotFound:
             raise NotFound(f"snapshot {sid} vanished from {self.backend.url}", "it was removed meanwhile") from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise StoreCorrupt(f"the manifest of snapshot {sid} cannot be read", str(e),
                                "the snapshot is damaged; restore another one and remove this one") from e
 
@@ -484,7 +527,7 @@ class ChunkStore:
             except IntegrityError as e:  # the backend's own checksum (S3 ETag) caught it first
                 raise ChunkCorrupt(f"chunk {c.address} ({where}) is damaged", f"{e.what}: {e.why}",
                                    "the store lost or altered it; restore another snapshot") from e
-            return decode_chunk(c.address, blob, key, expected_key_id=snap.key_id, where=where)
+            return decode_chunk(c.address, blob, key, expected_key_id=snap.key_id, where=where, limit=c.size)
 
         window: list[tuple[ChunkRef, Future[bytes]]] = []
         it = iter(f.chunks)

@@ -10,8 +10,9 @@ print(os.urandom(32).hex())" > job.key``), found, first match wins, in:
 
 A key file holds the 32 bytes raw, or as hex or base64 text, and must not be readable by group or others.
 
-Three sub-keys are derived with HKDF-SHA256 (distinct ``info`` strings): ``enc`` encrypts, ``addr`` keys
-the content addresses, ``id`` gives the key's fingerprint that manifests record. A chunk's address is then
+Four sub-keys are derived with HKDF-SHA256 (distinct ``info`` strings): ``enc`` encrypts, ``addr`` keys
+the content addresses, ``id`` gives the key's fingerprint that manifests record, ``sign`` signs the job's
+manifests when no signing key of its own is configured (:mod:`cryosleep.store.auth`). A chunk's address is then
 ``HMAC-SHA256(addr, SHA-256(plaintext))`` rather than the plaintext hash itself, so the store reveals
 neither the hash of any plaintext nor, across jobs with different keys, which chunks they share (each key
 gets its own address space; dedup still works within a key). The address is bound into the ciphertext as
@@ -21,12 +22,9 @@ random per chunk (at most 2**32 chunks per key keeps the collision risk negligib
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import hmac
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from cryosleep import paths
 from cryosleep.errors import CryosleepError, UsageError
+from cryosleep.store.keyfile import find_secret, read_key_file
 
 __all__ = ["ALGORITHM", "DecryptError", "JobKey", "load_key"]
 
@@ -62,13 +61,15 @@ class JobKey:
     addr: bytes
     key_id: str
     origin: str  # where it was found, for messages (never the key itself)
+    sign: bytes = b""  # the manifests' signing key when this key is the root of it (cryosleep.store.auth)
 
     @classmethod
     def from_secret(cls, secret: bytes, origin: str = "memory") -> JobKey:
         if len(secret) != 32:
             raise UsageError(f"the key from {origin} is {len(secret)} bytes, not 32",
                              "AES-256 needs a 32-byte key", KEY_HINT)
-        return cls(_derive(secret, b"enc"), _derive(secret, b"addr"), _derive(secret, b"id")[:8].hex(), origin)
+        return cls(_derive(secret, b"enc"), _derive(secret, b"addr"), _derive(secret, b"id")[:8].hex(), origin,
+                   _derive(secret, b"sign"))
 
     def address(self, plain_sha256: bytes) -> str:
         return hmac.new(self.addr, plain_sha256, hashlib.sha256).hexdigest()
@@ -86,50 +87,17 @@ class JobKey:
             raise DecryptError("authentication failed") from None
 
 
-def _parse(raw: bytes, origin: str) -> bytes:
-    if len(raw) == 32:
-        return raw
-    text = raw.strip()
-    try:
-        if len(text) == 64:
-            return bytes.fromhex(text.decode())
-        decoded = base64.b64decode(text, validate=True)
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        decoded = b""
-    if len(decoded) == 32:
-        return decoded
-    raise UsageError(f"the key from {origin} is not 32 bytes (raw, 64 hex digits, or base64)",
-                     f"it holds {len(raw)} bytes that decode to none of these", KEY_HINT)
-
-
-def _read_key_file(path: Path) -> bytes:
-    try:
-        st = path.stat()
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read the key file {path}", str(e), KEY_HINT) from e
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise UsageError(f"the key file {path} is readable by others (mode {stat.S_IMODE(st.st_mode):o})",
-                         "a key that others can read protects nothing", f"chmod 600 {path}")
-    return _parse(raw, str(path))
-
-
 def load_key(job: str | None, key_file: Path | None = None, *, required: bool = False) -> JobKey | None:
     """The job's key from the first source that has one (see the module docstring), or None (no encryption).
 
     ``required``: raise instead of returning None (reading an encrypted snapshot needs the key)."""
-    if key_file is not None:
-        return JobKey.from_secret(_read_key_file(Path(key_file)), str(key_file))
-    env = os.environ.get("CRYOSLEEP_KEY", "").strip()
-    if env:
-        return JobKey.from_secret(_parse(env.encode(), "$CRYOSLEEP_KEY"), "$CRYOSLEEP_KEY")
-    env_file = os.environ.get("CRYOSLEEP_KEY_FILE", "").strip()
-    if env_file:
-        return JobKey.from_secret(_read_key_file(Path(env_file)), env_file)
+    found = find_secret(key_file, "CRYOSLEEP_KEY", "CRYOSLEEP_KEY_FILE", KEY_HINT)
+    if found is not None:
+        return JobKey.from_secret(*found)
     if job:
         path = paths.home() / "keys" / f"{job}.key"
         if path.is_file():
-            return JobKey.from_secret(_read_key_file(path), str(path))
+            return JobKey.from_secret(read_key_file(path, KEY_HINT), str(path))
     if required:
         raise CryosleepError(f"no key for job {job!r}", "its snapshots are encrypted", KEY_HINT)
     return None

@@ -37,25 +37,37 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cryosleep.errors import CryosleepError
 from cryosleep.store.backend import Backend, ObjectInfo
 
-if TYPE_CHECKING:
-    from cryosleep.store.cas import ChunkStore
-
 __all__ = ["GcReport", "UploadMarker", "collect", "live_gc_locks", "wait_for_gc"]
 
+CHUNKS = "chunks/"  # where the chunk store (cas.py) keeps its chunks, the objects a collection may delete
 PENDING = "pending/"
 GC_LOCKS = "gc/"
 MARKER_TTL_S = 600.0  # an upload marker not refreshed for this long belongs to a dead upload
 GC_TTL_S = 600.0  # likewise for a GC's lock
 GRACE_S = 3600.0  # chunks younger than this are never deleted
 WAIT_POLL_S = 0.5
+
+
+class _Addressed(Protocol):
+    def addresses(self) -> set[str]:
+        """The chunk addresses a snapshot names."""
+
+
+class ChunkCatalog(Protocol):
+    """What a collection reads of the chunk store (``cas.ChunkStore``): its backend and its snapshots."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    def snapshots(self) -> Sequence[_Addressed]: ...
 
 
 class _Heartbeat:
@@ -173,11 +185,9 @@ class GcReport:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
-def collect(store: ChunkStore, *, dry_run: bool = False, grace: float = GRACE_S, marker_ttl: float = MARKER_TTL_S,
+def collect(store: ChunkCatalog, *, dry_run: bool = False, grace: float = GRACE_S, marker_ttl: float = MARKER_TTL_S,
             gc_ttl: float = GC_TTL_S) -> GcReport:
     """Delete every chunk that no snapshot names and that is older than ``grace`` (see the module's rule)."""
-    from cryosleep.store.cas import CHUNKS
-
     t0 = time.monotonic()
     backend = store.backend
     report = GcReport(dry_run=dry_run)

@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryosleep.errors import CryosleepError, NotFound, StoreCorrupt, UsageError
+from cryosleep.store import auth
 from cryosleep.store.manifest import FileEntry, Manifest
 
 CHUNK = 4 * 1024 * 1024
@@ -66,6 +68,34 @@ def hash_tree(base: Path, rel_dirs: Iterable[str], workers: int = 4,
         FileEntry(path=str(p.relative_to(base)), size=p.stat().st_size, sha256=s)
         for p, s in zip(files, sums, strict=True)
     ]
+
+
+def _tree(top: Path, base: Path) -> list[str]:
+    """Every entry under ``top`` that is not a directory (links included), relative to ``base``."""
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            out.append(os.path.relpath(os.path.join(dirpath, name), base))
+    return out
+
+
+def _sign(manifest: Manifest) -> None:
+    """Sign with the job's key (the key file of its remote store's config being the root when it names one)."""
+    persist = manifest.job.get("persist")
+    key_file = persist.get("key_file") if isinstance(persist, dict) else None
+    key = auth.signing_key(manifest.job_name, auth.Trust(key_file=Path(key_file) if key_file else None),
+                           create=True)
+    assert key is not None  # create=True finds or makes one
+    auth.sign(manifest, key)
+
+
+def _write_manifest(path: Path, manifest: Manifest) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(manifest.dumps())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def new_snapshot_id(job: str) -> str:
@@ -111,15 +141,13 @@ class LocalStore:
     def abort(self, staging: Staging) -> None:
         shutil.rmtree(staging.path, ignore_errors=True)
 
-    def commit(self, staging: Staging, manifest: Manifest) -> Path:
-        """Write the manifest and publish the snapshot atomically."""
+    def commit(self, staging: Staging, manifest: Manifest, *, sign: bool = True) -> Path:
+        """Sign the manifest (``sign``: False keeps the MAC it has, a fetched snapshot's), write it and publish
+        the snapshot atomically."""
         manifest.complete = True
-        tmp = staging.path / "manifest.json.tmp"
-        with open(tmp, "w") as f:
-            f.write(manifest.dumps())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, staging.path / "manifest.json")
+        if sign:
+            _sign(manifest)
+        _write_manifest(staging.path / "manifest.json", manifest)
         self.snapshots.mkdir(parents=True, exist_ok=True)
         final = self.snapshots / staging.id
         os.replace(staging.path, final)
@@ -129,6 +157,12 @@ class LocalStore:
         finally:
             os.close(dfd)
         return final
+
+    def rewrite(self, manifest: Manifest, *, sign: bool = True) -> None:
+        """Write a committed snapshot's manifest again (its final phase times; a new MAC), signed anew."""
+        if sign:
+            _sign(manifest)
+        _write_manifest(self.path_of(manifest.id) / "manifest.json", manifest)
 
     def path_of(self, sid: str) -> Path:
         return self.snapshots / sid
@@ -162,7 +196,7 @@ class LocalStore:
         except FileNotFoundError:
             raise NotFound(f"snapshot {sid} has no manifest", f"{path} is missing",
                            "the snapshot is incomplete; remove it with `cryosleep rm`") from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, RecursionError) as e:  # ManifestError is a ValueError
             raise StoreCorrupt(
                 f"the manifest of snapshot {sid} cannot be read",
                 str(e),
@@ -196,9 +230,14 @@ class LocalStore:
         def check(f: FileEntry) -> str | None:
             p = base / f.path
             try:
-                size = p.stat().st_size
+                st = p.lstat()
             except FileNotFoundError:
                 return f"{f.path}: missing"
+            except OSError as e:  # a path the manifest names that is no file (its MAC is checked apart)
+                return f"{f.path}: cannot be read ({e.strerror})"
+            if not stat.S_ISREG(st.st_mode):
+                return f"{f.path}: not a regular file (a link or a device put in its place)"
+            size = st.st_size
             if size != f.size:
                 return f"{f.path}: size {size}, expected {f.size} (truncated or altered)"
             actual = sha256_file(p)
@@ -206,6 +245,10 @@ class LocalStore:
                 return f"{f.path}: sha256 {actual[:16]}..., expected {f.sha256[:16]}... (altered)"
             return None
 
+        listed = {f.path for n in m.nodes for f in n.files}
+        for rel in _tree(base / "nodes", base):  # a file CRIU would read that the manifest does not name
+            if rel not in listed:
+                problems.append(f"{rel}: not in the manifest (added after the snapshot)")
         with ThreadPoolExecutor(max_workers=max(4, min(16, os.cpu_count() or 4))) as pool:  # large files: I/O, hashlib
             for problem in pool.map(check, entries):
                 if problem:

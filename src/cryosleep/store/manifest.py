@@ -3,16 +3,79 @@
 A snapshot directory holds ``manifest.json`` and, per node, ``nodes/<node_rank>/criu/`` (CRIU's image files)
 and ``nodes/<node_rank>/files/`` (copies of files the job writes, brought back to their state at the
 snapshot on restore). The manifest lists every image file with its size and SHA-256, the job spec and
-environment, the versions of what captured it, and the time of every phase.
+environment, the versions of what captured it, and the time of every phase; ``auth`` holds its MAC
+(:mod:`cryosleep.store.auth`).
+
+A manifest is read from a store that another party may write: :meth:`Manifest.from_json` checks the type of
+every field it reads and raises :class:`ManifestError` (a ValueError) for anything else, never another error.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import re
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 FORMAT_VERSION = 1
+# Environment variables whose values never leave the machine in a snapshot's description (the manifest
+# embedded in the chunk store is not encrypted; the images are), and which its MAC therefore does not cover.
+SECRET_ENV = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL)", re.I)
+REDACTED = "<redacted>"
+
+
+class ManifestError(ValueError):
+    """A manifest that is not one: a missing field, a field of the wrong type, an unknown format."""
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether a JSON value fits a field's annotation (the few shapes manifests use)."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is Any:
+        return True
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is str or tp is bool:
+        return isinstance(value, tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return False
+
+
+def _build(cls: Any, data: Any, where: str, **parsed: Any) -> Any:
+    """``cls(**data)`` with every field's type checked; ``parsed``: fields the caller built itself."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where} is {type(data).__name__}, not an object")
+    hints = typing.get_type_hints(cls)
+    args: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name in parsed:
+            args[f.name] = parsed[f.name]
+            continue
+        if f.name not in data or (data[f.name] is None and f.name in _NULL_IS_DEFAULT):
+            if f.default is MISSING and f.default_factory is MISSING:  # required
+                raise ManifestError(f"{where} has no {f.name!r}")
+            continue
+        value = data[f.name]
+        if not _fits(value, hints[f.name]):
+            raise ManifestError(f"{where}.{f.name} is {value!r:.80}, not {hints[f.name]}")
+        args[f.name] = value
+    return cls(**args)
+
+
+# fields older manifests wrote as null for "none"
+_NULL_IS_DEFAULT = frozenset({"gpu", "mounts", "nccl", "expected", "outbound"})
 
 
 @dataclass
@@ -92,6 +155,8 @@ class Manifest:
     format: int = FORMAT_VERSION
     restored_from: str | None = None
     complete: bool = False
+    # the MAC over everything else (cryosleep.store.auth): {"algorithm", "key_id", "mac"}; None: unsigned
+    auth: dict[str, Any] | None = None
 
     @property
     def bytes(self) -> int:
@@ -109,38 +174,48 @@ class Manifest:
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=True)
 
+    def redacted(self) -> dict[str, Any]:
+        """The manifest as the chunk store keeps it: the values of secret-named variables of the job's
+        environment replaced, and without its derived ``bytes``."""
+        data = self.to_json()
+        env = data["job"].get("env")
+        if isinstance(env, dict):
+            data["job"] = {**data["job"], "env": {k: (REDACTED if SECRET_ENV.search(k) else v) for k, v in env.items()}}
+        data.pop("bytes", None)
+        return data
+
+    def signed_json(self) -> dict[str, Any]:
+        """What the MAC covers: the redacted manifest (the same in the directory and the chunk store) without
+        its MAC."""
+        data = self.redacted()
+        data.pop("auth", None)
+        return data
+
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Manifest:
+    def from_json(cls, data: Any) -> Manifest:
+        """The manifest from its JSON; ManifestError for anything that is not one."""
+        if not isinstance(data, dict):
+            raise ManifestError(f"the manifest is {type(data).__name__}, not an object")
         if data.get("format") != FORMAT_VERSION:
-            raise ValueError(f"manifest format {data.get('format')!r}, this Cryosleep reads {FORMAT_VERSION}")
+            raise ManifestError(f"manifest format {data.get('format')!r:.40}, this Cryosleep reads {FORMAT_VERSION}")
+        raw_nodes = data.get("nodes")
+        if not isinstance(raw_nodes, list):
+            raise ManifestError("the manifest's nodes are not a list")
         nodes = []
-        for n in data["nodes"]:
-            nodes.append(
-                NodeImage(
-                    node_rank=n["node_rank"],
-                    ranks=list(n["ranks"]),
-                    init_pid=n["init_pid"],
-                    files=[FileEntry(**f) for f in n["files"]],
-                    staged=[StagedFile(**s) for s in n["staged"]],
-                    processes=n.get("processes", 0),
-                    rss_bytes=n.get("rss_bytes", 0),
-                    gpu=n.get("gpu") or {},
-                    mounts=list(n.get("mounts") or []),
-                    nccl=n.get("nccl") or {},
-                    expected=[ExpectedFile(**e) for e in n.get("expected") or []],
-                    outbound=n.get("outbound") or {},
-                )
-            )
-        return cls(
-            id=data["id"],
-            job=data["job"],
-            mode=data["mode"],
-            created_at=data["created_at"],
-            nodes=nodes,
-            host=data["host"],
-            phases=data["phases"],
-            pause_s=data["pause_s"],
-            format=data["format"],
-            restored_from=data.get("restored_from"),
-            complete=data.get("complete", False),
-        )
+        for i, n in enumerate(raw_nodes):
+            where = f"nodes[{i}]"
+            if not isinstance(n, dict):
+                raise ManifestError(f"{where} is {type(n).__name__}, not an object")
+
+            def items(name: str, item_cls: Any, n: dict[str, Any] = n, where: str = where) -> list[Any]:
+                raw = n.get(name) or []
+                if not isinstance(raw, list):
+                    raise ManifestError(f"{where}.{name} is not a list")
+                return [_build(item_cls, x, f"{where}.{name}[{j}]") for j, x in enumerate(raw)]
+
+            nodes.append(_build(NodeImage, n, where, files=items("files", FileEntry),
+                                staged=items("staged", StagedFile), expected=items("expected", ExpectedFile)))
+        m: Manifest = _build(cls, data, "the manifest", nodes=nodes)
+        if not isinstance(m.job.get("name"), str) or not m.job["name"]:
+            raise ManifestError("the manifest's job has no name")
+        return m

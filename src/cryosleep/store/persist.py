@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -43,26 +42,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cryosleep.errors import CaptureFailed, CryosleepError, NotFound, UsageError
-from cryosleep.store.backend import BackendError
+from cryosleep.errors import BackendError, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.store.local import LocalStore, Staging
 from cryosleep.store.manifest import Manifest
 from cryosleep.store.retention import Policy, SnapshotInfo, decide
 
 if TYPE_CHECKING:
-    from cryosleep.store.cas import ChunkStore
+    from cryosleep.store.auth import Trust
+    from cryosleep.store.cas import ChunkStore, Snapshot
     from cryosleep.store.crypto import JobKey
 
 __all__ = [
     "Persister",
     "Record",
     "RemoteConfig",
+    "authentic",
     "fetch",
     "is_remote",
     "load_records",
     "normalize_url",
     "open_chunk_store",
     "read_record",
+    "resign_remote",
 ]
 
 RECORDS = "persist"
@@ -70,11 +71,8 @@ LOCAL_KEEP = 2
 RETRY_FOR_S = 600.0  # a background upload retries retryable failures this long
 UPDATE_EVERY_S = 0.25  # the record's progress is rewritten at most this often
 ACTIVE = ("queued", "uploading", "verifying", "retrying")
-# Environment variables whose values never leave the machine in a snapshot's description (the manifest
-# embedded in the chunk store is not encrypted; the images are).
-_SECRET = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL)", re.I)
 
-Progress = Callable[[dict[str, Any]], None]
+EventSink = Callable[[dict[str, Any]], None]  # where the transfer events go (progress=, the CLI's bars)
 
 
 def normalize_url(url: str | Path) -> str:
@@ -120,8 +118,8 @@ class RemoteConfig:
 
 def open_chunk_store(url: str | Path) -> ChunkStore:
     # Imported here: the chunk store needs numpy, zstandard and cryptography; the capture path does not.
-    from cryosleep.store.backend import open_backend
     from cryosleep.store.cas import ChunkStore
+    from cryosleep.store.urls import open_backend
 
     return ChunkStore(open_backend(normalize_url(url)))
 
@@ -248,15 +246,6 @@ def load_records(store: LocalStore) -> dict[str, Record]:
 
 def remove_record(store: LocalStore, sid: str) -> None:
     (_records_dir(store) / f"{sid}.json").unlink(missing_ok=True)
-
-
-def redacted(manifest: Manifest) -> dict[str, Any]:
-    """The manifest to embed in the chunk store: secrets in the job's environment replaced."""
-    data = manifest.to_json()
-    env = dict(data["job"].get("env") or {})
-    data["job"] = {**data["job"], "env": {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in env.items()}}
-    data.pop("bytes", None)
-    return data
 
 
 # ------------------------------------------------------------------------------------------ uploading
@@ -393,7 +382,7 @@ class Persister:
     # -- a stop snapshot's persist phase -------------------------------------------------------------
 
     def persist_now(self, store: LocalStore, manifest: Manifest, deadline: float,
-                    progress: Progress | None = None) -> Record:
+                    progress: EventSink | None = None) -> Record:
         """Upload and verify remotely, in this thread, before ``deadline`` (monotonic); CaptureFailed if not."""
         rec = self._record(manifest)
         rec.event("queued")
@@ -469,7 +458,7 @@ class Persister:
         return Record(snapshot=manifest.id, job=manifest.job_name, remote=self.url, mode=manifest.mode,
                       bytes_total=manifest.bytes, encrypted=self.key is not None, agent_pid=os.getpid())
 
-    def _persist(self, item: _Item, deadline: float | None, progress: Progress | None) -> None:
+    def _persist(self, item: _Item, deadline: float | None, progress: EventSink | None) -> None:
         """Upload the snapshot's files, then re-read every chunk from the store; the record follows along."""
         store, manifest, rec = item.store, item.manifest, item.record
         base = store.path_of(manifest.id)
@@ -499,7 +488,7 @@ class Persister:
         self._log(f"snapshot {rec.snapshot}: uploading to {self.url} (attempt {rec.attempts})")
         t0 = time.monotonic()
         res = self.cas.put_snapshot(manifest.id, manifest.job_name, base, files, key=self.key,
-                                       mode=manifest.mode, manifest=redacted(manifest),
+                                       mode=manifest.mode, manifest=manifest.redacted(),
                                        created_at=manifest.created_at, progress=tick("upload"))
         rec.upload_s = round(time.monotonic() - t0, 3)
         if rec.attempts > 1:
@@ -583,12 +572,43 @@ class Persister:
 # ------------------------------------------------------------------------------------------- fetching
 
 
-def fetch(url: str | Path, ref: str, store: LocalStore, *, key_file: Path | None = None,
-          progress: Progress | None = None) -> tuple[Manifest, Record]:
-    """Bring snapshot ``ref`` from the chunk store at ``url`` into the local directory store, every chunk
-    checked against its address and every file against its SHA-256. A snapshot already there is reused."""
+def authentic(snap: Snapshot, trust: Trust) -> tuple[Manifest | None, str]:
+    """The image manifest of a chunk store's snapshot, authenticated (:func:`cryosleep.store.auth.authenticate`),
+    and its chunk index checked against it: the same job, and exactly the files the manifest signs, each of the
+    size and SHA-256 it signs (the chunks then give back those bytes or fail their checksum). Returns the
+    manifest and how it was authenticated; Unauthenticated or StoreCorrupt if not. A snapshot without an image
+    manifest (files stored by other means than a snapshot: nothing to restore) counts as unsigned."""
     from cryosleep.errors import StoreCorrupt
-    from cryosleep.store.cas import WrongKey
+    from cryosleep.store.auth import UNSIGNED_HINT, Unauthenticated, authenticate
+
+    try:
+        manifest = snap.image_manifest()
+    except ValueError as e:
+        raise StoreCorrupt(f"the image manifest of snapshot {snap.id} cannot be read", str(e),
+                           "the snapshot is damaged; restore another one and remove this one") from e
+    if manifest is None:
+        if trust.allow_unsigned:
+            return None, "unsigned, no image manifest (accepted: --allow-unsigned)"
+        raise Unauthenticated(f"snapshot {snap.id} is not signed", "it has no image manifest to carry a MAC",
+                              UNSIGNED_HINT)
+    how = authenticate(manifest, snap.id, trust)
+    signed = {(f.path, f.size, f.sha256) for n in manifest.nodes for f in n.files}
+    indexed = {(f.path, f.size, f.sha256) for f in snap.files}
+    if snap.job != manifest.job_name or signed != indexed:
+        odd = sorted(p for p, _, _ in signed ^ indexed)[:5]
+        raise Unauthenticated(f"snapshot {snap.id}'s chunk index does not match its manifest; nothing was restored",
+                              f"job {snap.job!r} vs {manifest.job_name!r}; files that differ: {odd}",
+                              "do not restore it; restore another snapshot and remove this one")
+    return manifest, how
+
+
+def fetch(url: str | Path, ref: str, store: LocalStore, *, key_file: Path | None = None,
+          progress: EventSink | None = None, trust: Trust | None = None) -> tuple[Manifest, Record]:
+    """Bring snapshot ``ref`` from the chunk store at ``url`` into the local directory store, authenticated first
+    (``trust``; nothing is downloaded otherwise), every chunk checked against its address and every file against
+    its SHA-256. A snapshot already there is reused. The local copy keeps the MAC the store's manifest had."""
+    from cryosleep.errors import StoreCorrupt, WrongKey
+    from cryosleep.store.auth import Trust
     from cryosleep.store.crypto import load_key
 
     url = normalize_url(url)
@@ -599,8 +619,10 @@ def fetch(url: str | Path, ref: str, store: LocalStore, *, key_file: Path | None
         raise WrongKey(f"snapshot {snap.id} cannot be decrypted with the key from {key.origin}: wrong key",
                        f"the key's fingerprint is {key.key_id}; the snapshot was written with {snap.key_id}",
                        "give the key this job's snapshots were written with (--key-file, $CRYOSLEEP_KEY)")
-    manifest = snap.image_manifest()
+    manifest, _ = authentic(snap, trust or Trust(key_file=key_file))
     if manifest is None:
+        from cryosleep.errors import StoreCorrupt
+
         raise StoreCorrupt(f"snapshot {snap.id} in {url} has no image manifest",
                            "it was not written by a Cryosleep snapshot", "restore another snapshot")
     rec = Record(snapshot=snap.id, job=snap.job, remote=url, mode=snap.mode, state="persisted",
@@ -627,7 +649,7 @@ def fetch(url: str | Path, ref: str, store: LocalStore, *, key_file: Path | None
     t0 = time.monotonic()
     try:
         chunks.restore(snap.id, staging.path, key=key, progress=on)
-        store.commit(staging, manifest)
+        store.commit(staging, manifest, sign=False)
     except BaseException:
         shutil.rmtree(staging.path, ignore_errors=True)
         raise
@@ -641,6 +663,24 @@ def fetch(url: str | Path, ref: str, store: LocalStore, *, key_file: Path | None
     return manifest, rec
 
 
+def resign_remote(url: str | Path, ref: str, old: Trust, new: Trust) -> tuple[Snapshot, str, str]:
+    """Re-sign snapshot ``ref`` of the chunk store at ``url``: authenticated under ``old``, its manifest signed
+    under ``new``'s key and written again; no chunk is read or sent. Returns (snapshot, how it was authenticated
+    before, the new key id)."""
+    from cryosleep.store.auth import resign
+    from cryosleep.store.cas import SNAPSHOTS
+
+    chunks = open_chunk_store(url)
+    snap = chunks.load(ref)
+    manifest, _ = authentic(snap, old)
+    if manifest is None:
+        raise UsageError(f"snapshot {snap.id} has no image manifest to sign", "it is not a job's snapshot", "")
+    before, key = resign(manifest, snap.id, old, new)
+    snap.manifest = manifest.redacted()
+    chunks.backend.put(f"{SNAPSHOTS}{snap.id}.json", json.dumps(snap.to_json(), indent=1).encode())
+    return snap, before, key.key_id
+
+
 # ------------------------------------------------------------------------------------- the agent's side
 
 
@@ -651,7 +691,7 @@ def for_job(job: str, persist: dict[str, Any] | None, log: Callable[[str], None]
 
 
 def stop_hook(persister: Persister | None, store: LocalStore,
-              send: Progress) -> Callable[[Manifest, float], None] | None:
+              send: EventSink) -> Callable[[Manifest, float], None] | None:
     """The ``persist`` phase of a stop snapshot (:class:`cryosleep.capture.snapshot.Target`)."""
     if persister is None:
         return None

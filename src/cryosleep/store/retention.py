@@ -16,10 +16,11 @@ With no rule set at all, everything is kept.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Decision", "Policy", "SnapshotInfo", "decide", "parse_age"]
+__all__ = ["Policy", "RetentionDecision", "SnapshotInfo", "decide", "parse_age"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,13 @@ class Policy:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RetentionDecision:
     snapshot: SnapshotInfo
     keep: bool
     reason: str
 
 
-def decide(snapshots: Sequence[SnapshotInfo], policy: Policy, now: float) -> list[Decision]:
+def decide(snapshots: Sequence[SnapshotInfo], policy: Policy, now: float) -> list[RetentionDecision]:
     """One decision per snapshot, in the order given."""
     by_job: dict[str, list[SnapshotInfo]] = {}
     for s in snapshots:
@@ -71,24 +72,24 @@ def decide(snapshots: Sequence[SnapshotInfo], policy: Policy, now: float) -> lis
     out = []
     for s in snapshots:
         if s.protected:
-            out.append(Decision(s, True, "protected: a suspended job needs it to come back"))
+            out.append(RetentionDecision(s, True, "protected: a suspended job needs it to come back"))
         elif policy.empty:
-            out.append(Decision(s, True, "no retention rule set"))
+            out.append(RetentionDecision(s, True, "no retention rule set"))
         elif s.id in newest:
-            out.append(Decision(s, True, f"among the {policy.keep_last} newest of job {s.job}"))
+            out.append(RetentionDecision(s, True, f"among the {policy.keep_last} newest of job {s.job}"))
         elif policy.max_age is not None and now - s.created_at > policy.max_age:
-            out.append(Decision(s, False, f"older than the maximum age ({_age(now - s.created_at)} > "
+            out.append(RetentionDecision(s, False, f"older than the maximum age ({_age(now - s.created_at)} > "
                                           f"{_age(policy.max_age)})"))
         elif policy.keep_every is not None:
             if s.seq > 0 and s.seq % policy.keep_every == 0:
-                out.append(Decision(s, True, f"every {policy.keep_every}th (sequence {s.seq})"))
+                out.append(RetentionDecision(s, True, f"every {policy.keep_every}th (sequence {s.seq})"))
             else:
-                out.append(Decision(s, False, f"not every {policy.keep_every}th (sequence {s.seq}) and not among "
-                                              f"the newest"))
+                out.append(RetentionDecision(s, False, f"not every {policy.keep_every}th (sequence {s.seq}) and "
+                                                       "not among the newest"))
         elif policy.max_age is None and policy.keep_last is not None:  # a count alone: the rest goes
-            out.append(Decision(s, False, f"not among the {policy.keep_last} newest of job {s.job}"))
+            out.append(RetentionDecision(s, False, f"not among the {policy.keep_last} newest of job {s.job}"))
         else:
-            out.append(Decision(s, True, "within the maximum age" if policy.max_age is not None else "kept"))
+            out.append(RetentionDecision(s, True, "within the maximum age" if policy.max_age is not None else "kept"))
     return out
 
 
@@ -104,8 +105,9 @@ def parse_age(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
     t = text.strip().lower()
     try:
-        if t and t[-1] in units:
-            return float(t[:-1]) * units[t[-1]]
-        return float(t)
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except ValueError:
-        raise ValueError(f"not an age: {text!r} (write e.g. 90s, 15m, 12h, 7d, 2w)") from None
+        value = math.nan
+    if not math.isfinite(value) or value < 0:  # "nan", "inf", "-1d", "1e308w" are no ages
+        raise ValueError(f"not an age: {text!r} (write e.g. 90s, 15m, 12h, 7d, 2w)")
+    return value

@@ -38,7 +38,8 @@ from minio import Minio
 from minio.credentials.providers import IamAwsProvider, Provider, StaticProvider
 from minio.error import MinioException, S3Error
 
-from cryosleep.store.backend import BackendError, IntegrityError, ObjectInfo, ObjectNotFound, check_name
+from cryosleep.errors import BackendError, IntegrityError, ObjectNotFound
+from cryosleep.store.backend import ObjectInfo, check_name
 
 __all__ = ["S3Backend", "aws_settings"]
 

@@ -186,7 +186,7 @@ class AwsWatcher(Watcher):
         try:
             doc = json.loads(body)
             action, when = str(doc.get("action", "")), str(doc.get("time", ""))
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             raise NoticeEndpointError(f"spot/instance-action is not the documented JSON: {body[:200]!r}") from None
         deadline = _http_date(when)
         if deadline is None:
@@ -269,7 +269,9 @@ class AzureWatcher(Watcher):
             raise NoticeEndpointError(f"scheduledevents answered HTTP {status}: {body[:200]!r}")
         try:
             events = json.loads(body).get("Events") or []
-        except (ValueError, AttributeError):
+            if not isinstance(events, list):
+                raise ValueError("Events is not a list")
+        except (ValueError, AttributeError, RecursionError):
             raise NoticeEndpointError(f"scheduledevents is not the documented JSON: {body[:200]!r}") from None
         name = self._name()
         now = self.clock()
@@ -277,6 +279,8 @@ class AzureWatcher(Watcher):
             if not isinstance(ev, dict) or ev.get("EventType") != "Preempt":
                 continue
             resources = ev.get("Resources") or []
+            if not isinstance(resources, list):  # not the documented list of names: the event may be ours
+                resources = []
             if name and resources and name not in resources:
                 continue
             not_before = str(ev.get("NotBefore") or "")

@@ -23,18 +23,44 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cryosleep import metrics, paths
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
+from cryosleep.core.job import JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CryosleepError, NotFound
 from cryosleep.store.local import LocalStore
-from cryosleep.triggers import decisions, notices, schedule
-
-if TYPE_CHECKING:
-    from cryosleep.agent.agent import Agent
+from cryosleep.triggers import decisions, early, notices, schedule, slurm
 
 TICK_S = 0.2
+
+
+class JobHost(Protocol):
+    """What the triggers need of the node agent that runs them (``cryosleep.agent.agent.Agent`` is one)."""
+
+    @property
+    def spec(self) -> JobSpec: ...
+    @property
+    def job(self) -> JobDir: ...
+    @property
+    def state(self) -> JobState: ...
+
+    suspended_in: str | None
+    """Set when the job is ended on an earlier snapshot: the job's record says it is suspended in it."""
+
+    def snapshot(self, req: dict[str, Any], send: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Take a snapshot as the control socket's ``snapshot`` request does (raises Busy while one runs)."""
+
+    def snapshot_busy(self) -> bool:
+        """Whether a snapshot holds the job now."""
+
+    def track(self, thread: threading.Thread) -> None:
+        """A thread the agent waits for before it exits (a stop snapshot's bookkeeping and answer)."""
+
+    def forward_signal(self, signum: int) -> None:
+        """Deliver ``signum`` the agent's usual way: to the workers (a second one kills them)."""
+
+    def log_line(self, msg: str) -> None: ...
 
 
 @dataclass
@@ -60,7 +86,7 @@ class TriggerConfig:
 
 
 class TriggerRunner:
-    def __init__(self, agent: Agent, config: TriggerConfig) -> None:
+    def __init__(self, agent: JobHost, config: TriggerConfig) -> None:
         self.agent = agent
         self.config = config
         self.log_path = decisions.path_for(agent.job.path)
@@ -87,6 +113,13 @@ class TriggerRunner:
             self._thread("periodic", self._periodic)
         if self.config.notices:
             self._thread("notices", self._notices)
+        for signum in early.take():  # it came while the job was starting or being restored
+            self._log(f"{signal.Signals(signum).name} came while the job was starting; acting on it now")
+            self.on_signal(signum)
+
+    @property
+    def grace_s(self) -> float | None:
+        return self.config.grace
 
     def close(self) -> None:
         self._halt.set()
@@ -158,13 +191,13 @@ class TriggerRunner:
             self._stopping = True
         t = threading.Thread(target=self._guarded(lambda: self._stop(trigger, deadline, detail, done)),
                              name=f"stop-{trigger}", daemon=True)
-        self.agent._handlers.append(t)
+        self.agent.track(t)
         t.start()
         return True
 
     def _stop(self, trigger: str, deadline: float | None, detail: str, done: Callable[[], None] | None) -> None:
         self._log(f"{trigger}: {detail}" + (f"; deadline in {deadline - time.time():.1f} s" if deadline else ""))
-        while self.agent.snap_lock.locked() and (deadline is None or time.time() < deadline):
+        while self.agent.snapshot_busy() and (deadline is None or time.time() < deadline):
             time.sleep(0.05)  # a keep-running snapshot is finishing; the stop comes right after it
         history = self._history()
         est = schedule.estimate_stop(history)
@@ -191,8 +224,33 @@ class TriggerRunner:
         if deadline is not None:
             outcome["within_deadline"] = time.time() <= deadline
         self._outcome(rid, d, outcome)
-        if done is not None and outcome["outcome"] in ("suspended", "suspended-in-last"):
-            done()
+        if outcome["outcome"] in ("suspended", "suspended-in-last"):
+            if done is not None:
+                done()
+            self._slurm_requeue(trigger)
+
+    def _slurm_requeue(self, trigger: str) -> None:
+        """The job is suspended: in a Slurm batch job, ask Slurm to requeue it or not (triggers/slurm.py), one more
+        decision in the log (trigger ``slurm``)."""
+        jid = slurm.job_id()
+        if jid is None:
+            return
+        job = slurm.describe(jid) if trigger != "sigterm" else slurm.SlurmJob(jid)
+        choice = slurm.decide(trigger, job)
+        rid = self._next_id()
+        self._log(f"decision {rid}: slurm -> {choice.action} of job {jid}: {'; '.join(choice.reasons)}")
+        decisions.append(self.log_path, {"event": "decided", "id": rid, "job": self.agent.spec.name, "trigger": "slurm",
+                                         "mode": "stop", "action": choice.action, "reasons": choice.reasons,
+                                         "at": time.time(), "detail": f"after the {trigger} stop",
+                                         "slurm": slurm.to_json(job)})
+        began = time.monotonic()
+        outcome: dict[str, Any] = {"outcome": "not-requeued"}
+        if choice.action == slurm.REQUEUE:
+            ok, said = slurm.requeue(jid)
+            outcome = {"outcome": "requeued" if ok else "requeue-failed", "detail": said}
+            self._log(f"decision {rid}: slurm -> {outcome['outcome']} ({said})")
+        decisions.append(self.log_path, {"event": "outcome", "id": rid, "at": time.time(),
+                                         "duration_s": round(time.monotonic() - began, 3), **outcome})
 
     def _after_failure(self, trigger: str, e: CryosleepError) -> dict[str, Any]:
         """The stop snapshot failed (the job was resumed): what now."""
@@ -211,7 +269,7 @@ class TriggerRunner:
             self._log(f"{trigger}: the stop snapshot failed ({e.what}) and there is no earlier snapshot; "
                       "forwarding SIGTERM to the workers")
             self._forwarded = True
-            self.agent._on_signal(signal.SIGTERM, None)
+            self.agent.forward_signal(signal.SIGTERM)
             return {"outcome": "failed-forwarded-sigterm"}
         self._log(f"{trigger}: the stop snapshot failed ({e.what}) and there is no earlier snapshot; the job goes "
                   "on running (it may end before the machine goes); another trigger may try again")
@@ -258,10 +316,13 @@ class TriggerRunner:
 
     # -- the decision log ----------------------------------------------------------------------
 
-    def _decided(self, d: schedule.Decision) -> str:
+    def _next_id(self) -> str:
         with self._lock:
             self._seq += 1
-            rid = f"{os.getpid()}-{self._seq}"
+            return f"{os.getpid()}-{self._seq}"
+
+    def _decided(self, d: schedule.TriggerDecision) -> str:
+        rid = self._next_id()
         job = self.agent.spec.name
         left = f", {d.remaining_s:.1f} s left" if d.remaining_s is not None else ""
         est = f", estimate {d.estimate_s:.1f} s" if d.estimate_s is not None else ""
@@ -270,7 +331,7 @@ class TriggerRunner:
         metrics.record_decision(job, d.trigger, d.action)
         return rid
 
-    def _outcome(self, rid: str, d: schedule.Decision, outcome: dict[str, Any]) -> None:
+    def _outcome(self, rid: str, d: schedule.TriggerDecision, outcome: dict[str, Any]) -> None:
         what = outcome["outcome"] + (f" {outcome['snapshot']}" if outcome.get("snapshot") else "")
         if outcome.get("error"):
             what += f" ({outcome['error'].get('what')})"
@@ -291,11 +352,12 @@ class TriggerRunner:
             if self.agent.state.last_snapshot != seen:  # a snapshot from elsewhere: a fresh image
                 seen = self.agent.state.last_snapshot
                 policy.snapshot_ended(now)
-            action, reason = policy.decide(now, busy=self.agent.snap_lock.locked())
+            action, reason = policy.decide(now, busy=self.agent.snapshot_busy())
             if action == "wait":
                 continue
-            d = schedule.Decision(trigger="periodic", mode="keep-running", action=schedule.SNAPSHOT if action == "take"
-                                  else "skip", reasons=[reason], at=now, timeout_s=schedule.DEFAULT_TIMEOUT)
+            d = schedule.TriggerDecision(trigger="periodic", mode="keep-running",
+                                         action=schedule.SNAPSHOT if action == "take" else "skip", reasons=[reason],
+                                         at=now, timeout_s=schedule.DEFAULT_TIMEOUT)
             rid = self._decided(d)
             if action == "skip":
                 policy.skipped(now)

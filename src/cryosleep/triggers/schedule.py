@@ -5,7 +5,7 @@
     PastSnapshot     what a previous snapshot of the job tells (its phase times, from its manifest)
     estimate_stop    how long a stop snapshot of this job should take, from its previous snapshots
     plan_stop        given a deadline, take the stop snapshot, or end the job on its last complete snapshot,
-                     and say why (a Decision carries its reasons)
+                     and say why (a TriggerDecision carries its reasons)
 
 Nothing here reads a clock, a file or the network; the agent's trigger runner feeds these functions.
 """
@@ -21,10 +21,10 @@ from typing import Any
 from cryosleep.errors import UsageError
 
 __all__ = [
-    "Decision",
     "Estimate",
     "PastSnapshot",
     "Periodic",
+    "TriggerDecision",
     "estimate_stop",
     "parse_duration",
     "plan_stop",
@@ -158,7 +158,7 @@ USE_LAST = "use-last"  # take no new snapshot: end the job, to be restored from 
 
 
 @dataclass
-class Decision:
+class TriggerDecision:
     """What a trigger led to, and why: one record of ``decisions.jsonl`` (the outcome is added later)."""
 
     trigger: str  # sigterm | sigusr1 | notice:aws | notice:gce | notice:azure | periodic
@@ -187,7 +187,7 @@ MARGIN_S = 1.0  # left between the snapshot's timeout and the deadline, for endi
 
 
 def plan_stop(now: float, deadline: float | None, est: Estimate, fallback: PastSnapshot | None,
-              trigger: str, detail: str = "") -> Decision:
+              trigger: str, detail: str = "") -> TriggerDecision:
     """Decide how to stop the job before ``deadline`` (absolute, same clock as ``now``; None: no deadline).
 
     - the estimate fits (or there is no deadline): take the stop snapshot;
@@ -197,7 +197,7 @@ def plan_stop(now: float, deadline: float | None, est: Estimate, fallback: PastS
       new snapshot, end the job on that one (a snapshot cut off by the deadline saves nothing and the
       training done meanwhile is lost either way);
     - otherwise (no estimate, a tight fit, or nothing to fall back on): try, with the time that is left."""
-    d = Decision(trigger=trigger, mode="stop", action=SNAPSHOT, reasons=[], at=now, deadline=deadline,
+    d = TriggerDecision(trigger=trigger, mode="stop", action=SNAPSHOT, reasons=[], at=now, deadline=deadline,
                  estimate_s=est.seconds, estimate_basis=est.basis, detail=detail,
                  fallback=fallback.id if fallback else None)
     if deadline is None:

@@ -1,10 +1,11 @@
 """2-rank (or N-rank) DDP on CPU with gloo and AdamW; prints each step's loss as exact float hex.
 
 Usage (under torchrun or cryosleep run): ddp_basic.py --steps N [--step-sleep S] [--hidden H] [--mem-mb M]
-[--own-log DIR] [--linger FILE]. --mem-mb keeps that much extra state per rank (to measure snapshot cost
-against memory); --own-log makes each rank append its losses to a file it keeps open (a job's own log);
---linger: after the last step, wait for FILE before ending (the job stays up for a test however slow the
-machine is).
+[--own-log DIR] [--linger FILE] [--hold-at N --hold FILE]. --mem-mb keeps that much extra state per rank (to
+measure snapshot cost against memory); --own-log makes each rank append its losses to a file it keeps open (a
+job's own log); --linger: after the last step, wait for FILE before ending (the job stays up for a test however
+slow the machine is); --hold-at N --hold FILE: after step N, wait for FILE (every rank between two steps, no
+collective under way: a test acts on the job at a known quiet moment).
 """
 
 import argparse
@@ -24,6 +25,8 @@ def main() -> None:
     p.add_argument("--mem-mb", type=int, default=0)
     p.add_argument("--own-log", default="", help="directory: each rank also appends its losses to a file there")
     p.add_argument("--linger", default="", help="after the last step, wait for this file before ending")
+    p.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold FILE")
+    p.add_argument("--hold", default="", help="the file --hold-at waits for")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -52,6 +55,8 @@ def main() -> None:
             own.flush()
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        while step == args.hold_at and not os.path.exists(args.hold):
+            time.sleep(0.05)
     while args.linger and not os.path.exists(args.linger):
         time.sleep(0.05)
     dist.barrier()

@@ -12,7 +12,8 @@ Each job has a directory ``$CRYOSLEEP_HOME/jobs/<name>/``::
                   it back at the same path
 
 The log paths are part of the workers' captured state (their open files), so a snapshot restores under the
-same job name, into the same paths.
+same job name, into the same paths. An ended job's directory stays until `cryosleep jobs rm` or `jobs prune`
+removes it (agent/records.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.agent import proctree
+from cryosleep.core import proctree
 from cryosleep.errors import CryosleepError, NotFound, UsageError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -80,6 +81,13 @@ class JobSpec:
     # The coordinator that runs this job's snapshots on all its nodes (`cryosleep run --coordinator URL`;
     # docs/coordinator.md); empty: the agent snapshots its node on its own. Its token is never recorded.
     coordinator: str = ""
+    # torchrun's view of the launch (`cryosleep run`'s torchrun options; docs/torchrun.md): TORCHELASTIC_RUN_ID
+    # (empty: run_id, as before it was recorded apart), ROLE_NAME, the local ranks the console shows (empty:
+    # all), TORCHELASTIC_SIGNALS_TO_HANDLE
+    rdzv_id: str = ""
+    role: str = "default"
+    local_ranks_filter: list[int] = field(default_factory=list)
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
     @property
     def world_size(self) -> int:
@@ -114,6 +122,9 @@ class JobState:
     snapshot_in_progress: str | None = None
     ending_since: float | None = None  # the agent is ending its job (a stop snapshot ended it, or it exited)
     net_end: str | None = None  # the sandbox's veth host end on the job network (--net job)
+    # a CRIU dump under way or holding the job under its network lock (capture.netlock.DumpRecord as JSON):
+    # what a survivor of a dead agent undoes
+    dump: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,7 +183,8 @@ class JobDir:
         tmp.write_text(json.dumps({"spec": spec.to_json(), "state": st.to_json()}, indent=2))
         os.replace(tmp, self.spec_file)
 
-    def read(self) -> tuple[JobSpec, JobState]:
+    def record(self) -> tuple[JobSpec, JobState]:
+        """The spec and the state as last written, without judging whether its agent still lives (``read``)."""
         try:
             data = json.loads(self.spec_file.read_text())
         except FileNotFoundError:
@@ -181,11 +193,14 @@ class JobDir:
                 f"{self.spec_file} does not exist",
                 "list jobs with `cryosleep jobs`",
             ) from None
-        st = JobState(**data["state"])
+        return JobSpec.from_json(data["spec"]), JobState(**data["state"])
+
+    def read(self) -> tuple[JobSpec, JobState]:
+        spec, st = self.record()
         if st.state in ("starting", "running") and not self.agent_alive():
             st.state = "lost"
             st.detail = "its agent is gone (killed?); restore a snapshot to bring it back"
-        return JobSpec.from_json(data["spec"]), st
+        return spec, st
 
     def agent_alive(self) -> bool:
         """True when an agent holds this job's lock."""
@@ -200,6 +215,26 @@ class JobDir:
         finally:
             os.close(fd)
         return False
+
+    def try_lock(self) -> int | None:
+        """The job's lock if nobody holds it (never waits): its fd, else None. A lock file that is a symbolic link
+        is not followed (OSError)."""
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def _is_lock(self, fd: int) -> bool:
+        """Whether ``fd`` is the file at this job's lock path (not one a removal moved away since it was opened)."""
+        try:
+            here = os.stat(self.lock_file, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
     def agent_ending(self) -> bool:
         """True when the job's agent is still alive but its job is ending or gone: after a stop snapshot it
@@ -218,16 +253,27 @@ class JobDir:
         """Lock the job for this agent; the fd stays open (CLOEXEC) for the agent's life. An agent that holds it
         while it ends (``agent_ending``: a restore right after a stop snapshot meets it) is waited for up to
         ``wait_ending`` seconds (``on_wait`` is called once as that wait begins); one whose job runs is refused
-        at once."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        at once. The lock taken is always the file at the job's path: one that `cryosleep jobs rm` moved away with
+        its directory between our open and our flock is let go, and the path's taken (agent/records.py)."""
         end = time.monotonic() + wait_ending
         waited = False
         while True:
+            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # `jobs rm` moved the directory away meanwhile: a fresh one
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
+                if self._is_lock(fd):
+                    return fd
+                os.close(fd)  # the lock of a directory `jobs rm` took away while we opened it: the path's is ours
+                continue
             except BlockingIOError:
+                moved = not self._is_lock(fd)  # held by `jobs rm`, which moved it away: the path's is free
+                os.close(fd)
+                if moved:
+                    continue
                 ending = self.agent_ending()
                 if ending and time.monotonic() < end:
                     if not waited and on_wait is not None:
@@ -235,7 +281,6 @@ class JobDir:
                     waited = True
                     time.sleep(0.05)
                     continue
-                os.close(fd)
             if ending:
                 raise UsageError(
                     f"job {self.name!r} is still ending on this machine",

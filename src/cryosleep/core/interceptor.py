@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryosleep.errors import CryosleepError
+from cryosleep.errors import InterceptorError
 
 __all__ = [
     "BLOCK_SIZE",
@@ -32,7 +32,6 @@ __all__ = [
     "Cmd",
     "CommSlot",
     "ControlBlock",
-    "InterceptorError",
     "Rebuild",
     "SlotState",
     "State",
@@ -145,12 +144,6 @@ class DevMem:
     offload_bytes: int  # copied out by the last OFFLOAD
     offload_s: float
     reload_s: float
-
-
-class InterceptorError(CryosleepError):
-    """A control block is missing, malformed, or its interceptor did not answer."""
-
-    kind = "interceptor_error"
 
 
 def attach_published(ctl: Mapping[int, Path], pids: Collection[int] | None = None) -> dict[int, ControlBlock]:

@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.agent import proctree
-from cryosleep.agent.interceptor import ControlBlock, flag_reasons
+from cryosleep.capture import criu_install, cuda
+from cryosleep.core import proctree
+from cryosleep.core.interceptor import ControlBlock, flag_reasons
 from cryosleep.errors import CryosleepError
+from cryosleep.net import tools as net_tools
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,6 @@ def _native() -> Check:
 
 
 def _criu() -> list[Check]:
-    from cryosleep.capture import criu_install
-
     try:
         criu = criu_install.locate()
     except CryosleepError as e:
@@ -84,10 +84,8 @@ def _criu() -> list[Check]:
 
 def _iproute() -> Check:
     """iproute2's ip: `--net job` and CRIU's dump and restore of a network namespace run it."""
-    from cryosleep.capture import criu_install
-
     try:
-        ip = criu_install.iproute_argv("ip")
+        ip = net_tools.iproute_argv("ip")
     except CryosleepError as e:
         return Check("iproute2", False, f"{e.what}: `--net job` cannot work; {e.hint}", fatal=False)
     return Check("iproute2", True, f"ip: {ip[-1]}" + (" (private prefix)" if len(ip) > 1 else ""))
@@ -149,8 +147,6 @@ def _gpu() -> list[Check]:
     if res.returncode != 0:
         return [Check("gpus", False, f"nvidia-smi failed: {res.stderr.strip() or res.stdout.strip()}", fatal=False)]
     checks = gpu_checks_from_smi(res.stdout, dict(os.environ))
-    from cryosleep.capture import cuda
-
     checks.append(Check("cuda checkpoint API", cuda.available(), "libcuda has cuCheckpointProcessLock"
                         if cuda.available() else "libcuda.so.1 or its checkpoint API is missing"))
     return checks
@@ -184,8 +180,6 @@ def managed_memory_bytes(maps: str) -> int:
 
 
 def _gpu_process(pid: int, who: str) -> list[Check]:
-    from cryosleep.capture import cuda
-
     out: list[Check] = []
     if not cuda.available():
         out.append(Check("gpu", False, f"{who} uses a GPU, but the CUDA driver's checkpoint API is not available "
@@ -196,7 +190,7 @@ def _gpu_process(pid: int, who: str) -> list[Check]:
     if nccl and not intercepted:
         out.append(Check("nccl", False, f"{who} has NCCL loaded without Cryosleep's interceptor: if it holds live "
                                         "communicators, the CUDA checkpoint fails and the snapshot is rolled back "
-                                        "(FACTS.md)", fatal=False))
+                                        "(docs/facts.md)", fatal=False))
     try:
         managed = managed_memory_bytes(Path(f"/proc/{pid}/maps").read_text())
     except OSError:

@@ -10,7 +10,7 @@ plain file (``rgw backend store = dbstore``, ``rgw filter = posix``). Measured h
 multipart, Content-MD5 and x-amz-checksum validation all behave as on AWS; the bare dbstore backend without
 the posix filter returns wrong bytes for ranged GETs and multipart objects, so the filter is not optional.
 
-How it is installed: like CRIU (:mod:`cryosleep.capture.criu_install`, whose machinery this reuses), from
+How it is installed: like CRIU (with the shared prefix installer, ``cryosleep.core.debs``), from
 Debian unstable into a *private prefix* (``$CRYOSLEEP_HOME/radosgw/<version>/``, or
 ``$CRYOSLEEP_RADOSGW_ROOT/<version>/``) started through the prefix's own dynamic loader, never touching
 the system's apt state or libraries. ``radosgw.lock.json`` pins every .deb (name, version, pool file,
@@ -22,10 +22,10 @@ and records them in the prefix's marker; ``update-lock`` re-pins.
 
 Module CLI (``make s3server`` runs ``install``)::
 
-    python -m cryosleep.store.s3serve [--json] install [--force]
-    python -m cryosleep.store.s3serve [--json] status
-    python -m cryosleep.store.s3serve [--json] update-lock [--out FILE]
-    python -m cryosleep.store.s3serve serve DIR [--port P]      (until interrupted; prints the credentials)
+    python tools/s3serve.py [--json] install [--force]
+    python tools/s3serve.py [--json] status
+    python tools/s3serve.py [--json] update-lock [--out FILE]
+    python tools/s3serve.py serve DIR [--port P]      (until interrupted; prints the credentials)
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ from types import TracebackType
 from typing import Any
 
 from cryosleep import paths
-from cryosleep.capture import criu_install as ci
+from cryosleep.core import debs
 from cryosleep.errors import CryosleepError
 
 __all__ = ["LOCK_PATH", "RadosgwUnavailable", "S3Server", "install", "locate", "status", "update_lock"]
 
 LOCK_PATH = Path(__file__).with_name("radosgw.lock.json")
-MARKER_NAME = ci.MARKER_NAME
+MARKER_NAME = debs.MARKER_NAME
 ROOT_PACKAGES = ("radosgw",)
 # In the apt closure of radosgw but never loaded by the radosgw and radosgw-admin binaries or the plugins
 # they dlopen (checked with the prefix loader's --list): left out to keep the prefix and the lock small.
@@ -75,9 +75,10 @@ EXCLUDED_PACKAGES = frozenset({
     "readline-common", "systemd", "systemd-standalone-sysusers", "tzdata",
 })  # fmt: skip
 INSTALL_HINT = (
-    "run `make s3server` (or `python -m cryosleep.store.s3serve install`) on a machine that reaches a Debian "
+    "run `make s3server` (or `python tools/s3serve.py install`) on a machine that reaches a Debian "
     "mirror, or point $CRYOSLEEP_RADOSGW_ROOT at a directory holding an installed prefix"
 )
+UPDATE_HINT = "run `python tools/s3serve.py update-lock` to pin the versions the archive serves now"
 _START_TIMEOUT_S = 60.0
 
 
@@ -98,7 +99,7 @@ class GatewayLock:
     suite: str
     architecture: str
     version: str  # radosgw's Debian version: names the prefix
-    packages: tuple[ci.LockedPackage, ...]
+    packages: tuple[debs.LockedPackage, ...]
     raw: dict[str, Any]
 
     @property
@@ -114,7 +115,7 @@ def load_lock(path: Path | None = None) -> GatewayLock:
     try:
         data = json.loads(path.read_text())
         pkgs = tuple(
-            ci.LockedPackage(str(p["name"]), str(p["version"]), str(p["filename"]), str(p["sha256"]).lower(),
+            debs.LockedPackage(str(p["name"]), str(p["version"]), str(p["filename"]), str(p["sha256"]).lower(),
                              int(p["size"]))
             for p in data["packages"]
         )
@@ -123,7 +124,7 @@ def load_lock(path: Path | None = None) -> GatewayLock:
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
         raise RadosgwUnavailable(f"the radosgw lock {path} is not valid", repr(e),
                                  "restore it from the Cryosleep source tree, or regenerate it with "
-                                 "`python -m cryosleep.store.s3serve update-lock`") from e
+                                 "`python tools/s3serve.py update-lock`") from e
     for p in pkgs:
         if not re.fullmatch(r"[0-9a-f]{64}", p.sha256) or not p.basename.endswith(".deb"):
             raise RadosgwUnavailable(f"the radosgw lock {path} is not valid", f"bad entry {p}", "")
@@ -142,9 +143,10 @@ def _lock_raw(suite: str, arch: str, records: list[dict[str, str]]) -> dict[str,
 
 def update_lock(*, out: Path | None = None, suite: str = "unstable") -> Path:
     """Pin the radosgw closure (less EXCLUDED_PACKAGES) that Debian ``suite`` serves now."""
-    arch = ci._host_arch()
+    arch = debs.host_arch()
     with tempfile.TemporaryDirectory(prefix="cryosleep-apt-") as td:
-        apt = ci._PrivateApt(ci.debian_mirror(), suite, arch.debian, Path(td))
+        apt = debs.PrivateApt(debs.debian_mirror(), suite, arch.debian, Path(td), install_hint=INSTALL_HINT,
+                              update_hint=UPDATE_HINT)
         apt.update()
         names = apt.closure(ROOT_PACKAGES, EXCLUDED_PACKAGES)
         records = sorted((r for r in apt.records(names) if "Package" in r), key=lambda r: r["Package"])
@@ -160,12 +162,12 @@ def update_lock(*, out: Path | None = None, suite: str = "unstable") -> Path:
 
 
 def _argv(prefix: Path, binary: str) -> list[str]:
-    arch = ci._host_arch()
-    return [*ci._prefix_argv(prefix, arch, f"usr/bin/{binary}")]
+    arch = debs.host_arch()
+    return [*debs.prefix_argv(prefix, arch, f"usr/bin/{binary}")]
 
 
 def _libdirs(prefix: Path) -> str:
-    arch = ci._host_arch()
+    arch = debs.host_arch()
     dirs = [prefix / "usr/lib" / arch.multiarch, prefix / "lib" / arch.multiarch,
             prefix / "usr/lib" / arch.multiarch / "ceph"]
     return ":".join(str(d) for d in dirs if d.is_dir())
@@ -177,20 +179,21 @@ def _command(prefix: Path, binary: str, *args: str) -> list[str]:
     return [*argv, *args]
 
 
-def _download(lock: GatewayLock, dest: Path, say: ci.Progress) -> tuple[dict[str, Path], list[str], str]:
+def _download(lock: GatewayLock, dest: Path, say: debs.Say) -> tuple[dict[str, Path], list[str], str]:
     """The .debs to unpack: the pinned ones when still served (checked against the lock), else the current
     versions of the same packages (checked by apt against the signed index). Returns (debs, versions, how)."""
     cache = _root() / ".debs"
     cache.mkdir(parents=True, exist_ok=True)
     have = {p.name: cache / p.basename for p in lock.packages}
-    need = [p for p in lock.packages if ci._mismatch(p, have[p.name]) is not None]
+    need = [p for p in lock.packages if debs.mismatch(p, have[p.name]) is not None]
     pinned = [f"{p.name}={p.version}" for p in lock.packages]
     if not need:
         return have, pinned, "pinned (cached)"
-    mirror = ci.debian_mirror()
+    mirror = debs.debian_mirror()
     say(f"downloading {len(need)} packages of radosgw {lock.version} from Debian {lock.suite} ({mirror.origin})")
     with tempfile.TemporaryDirectory(prefix=".apt-", dir=_root()) as td:
-        apt = ci._PrivateApt(mirror, lock.suite, lock.architecture, Path(td))
+        apt = debs.PrivateApt(mirror, lock.suite, lock.architecture, Path(td), install_hint=INSTALL_HINT,
+                              update_hint=UPDATE_HINT)
         apt.update()
         landing = Path(td) / "debs"
         landing.mkdir()
@@ -204,16 +207,16 @@ def _download(lock: GatewayLock, dest: Path, say: ci.Progress) -> tuple[dict[str
             missing = [p.name for p in lock.packages if p.name not in recs]
             if missing:
                 raise RadosgwUnavailable(f"Debian {lock.suite} no longer has {', '.join(missing)}", "",
-                                         "run `python -m cryosleep.store.s3serve update-lock`, then install") from e
-            current = [ci.LockedPackage(n, r["Version"], r["Filename"], r["SHA256"].lower(), int(r["Size"]))
+                                         "run `python tools/s3serve.py update-lock`, then install") from e
+            current = [debs.LockedPackage(n, r["Version"], r["Filename"], r["SHA256"].lower(), int(r["Size"]))
                        for n, r in recs.items()]
             out = apt.download(current, dest)
-            bad = [m for p in current if (m := ci._mismatch(p, out[p.name]))]
+            bad = [m for p in current if (m := debs.mismatch(p, out[p.name]))]
             if bad:
                 raise RadosgwUnavailable("downloaded radosgw packages do not match the archive's index",
                                          "; ".join(bad), "try again; check the mirror") from e
             return out, [f"{p.name}={p.version}" for p in current], "current (pinned versions gone)"
-        bad = [m for p in need if (m := ci._mismatch(p, got[p.name]))]
+        bad = [m for p in need if (m := debs.mismatch(p, got[p.name]))]
         if bad:
             raise RadosgwUnavailable("downloaded radosgw packages do not match the lock", "; ".join(bad),
                                      "do not use them; try again, or check the mirror")
@@ -222,19 +225,19 @@ def _download(lock: GatewayLock, dest: Path, say: ci.Progress) -> tuple[dict[str
     return have, pinned, "pinned"
 
 
-def install(*, force: bool = False, progress: ci.Progress | None = None) -> Path:
+def install(*, force: bool = False, progress: debs.Say | None = None) -> Path:
     """Install the gateway into its private prefix (a no-op when the marker matches the lock); the prefix."""
     say = progress or (lambda _m: None)
     lock = load_lock()
-    host = ci._host_arch()
+    host = debs.host_arch()
     if lock.architecture != host.debian:
         raise RadosgwUnavailable(f"the radosgw lock is for {lock.architecture}, this machine is {host.debian}",
                                  f"{LOCK_PATH} pins {lock.architecture}",
-                                 "run `python -m cryosleep.store.s3serve update-lock` on this machine")
+                                 "run `python tools/s3serve.py update-lock` on this machine")
     root = _root()
     final = lock.prefix_dir()
-    with ci._install_lock(root):
-        marker = ci._read_marker(final)
+    with debs.install_lock(root):
+        marker = debs.read_marker(final)
         if not force and marker is not None and marker.get("lock_sha256") == lock.digest:
             say(f"radosgw {lock.version} is already installed at {final}")
             return final
@@ -244,11 +247,11 @@ def install(*, force: bool = False, progress: ci.Progress | None = None) -> Path
         staging = Path(tempfile.mkdtemp(prefix=".install-", dir=root))
         try:
             (staging / "debs").mkdir()
-            debs, versions, how = _download(lock, staging / "debs", say)
+            got, versions, how = _download(lock, staging / "debs", say)
             tree = staging / "prefix"
             tree.mkdir()
-            for deb in debs.values():
-                ci._extract_deb(deb, tree)
+            for deb in got.values():
+                debs.extract_deb(deb, tree)
             r = subprocess.run(_command(tree, "radosgw", "--version"), capture_output=True, text=True,
                                timeout=60, check=False)
             m = re.search(r"ceph version (\S+)", r.stdout + r.stderr)
@@ -259,7 +262,7 @@ def install(*, force: bool = False, progress: ci.Progress | None = None) -> Path
                       "installed_at": datetime.now(UTC).isoformat(timespec="seconds")}
             (tree / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
             tree.chmod(0o755)
-            ci._swap_into_place(tree, final)
+            debs.swap_into_place(tree, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     say(f"installed radosgw {marker['version']} ({how}) at {final}")
@@ -273,7 +276,7 @@ def locate() -> Path:
     except RadosgwUnavailable:
         raise
     prefix = lock.prefix_dir()
-    if ci._read_marker(prefix) is not None and (prefix / "usr/bin/radosgw").exists():
+    if debs.read_marker(prefix) is not None and (prefix / "usr/bin/radosgw").exists():
         return prefix
     raise RadosgwUnavailable("no S3 test server (radosgw) is installed",
                              f"no installed prefix at {prefix}", INSTALL_HINT)
@@ -286,7 +289,7 @@ def status() -> dict[str, object]:
     except CryosleepError as e:
         out.update(available=False, error=e.to_json())
         return out
-    out.update(available=True, prefix=str(prefix), **(ci._read_marker(prefix) or {}))
+    out.update(available=True, prefix=str(prefix), **(debs.read_marker(prefix) or {}))
     return out
 
 
@@ -340,7 +343,7 @@ class S3Server:
         return self.root / "radosgw.log"
 
     def _conf(self, prefix: Path) -> Path:
-        arch = ci._host_arch()
+        arch = debs.host_arch()
         plugins = prefix / "usr/lib" / arch.multiarch / "ceph"
         r = self.root
         for d in ("objects", "lmdb", "run"):
@@ -472,7 +475,7 @@ def _signed_request(endpoint: str, method: str, path: str, access: str, secret: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cryosleep.store.s3serve",
+    p = argparse.ArgumentParser(prog="python tools/s3serve.py",
                                 description="Install and run the loopback S3 server the store's tests use.")
     p.add_argument("--json", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)

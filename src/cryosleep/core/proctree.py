@@ -168,3 +168,21 @@ def pidfd_getfd(pid: int, fd: int) -> int:
         return got
     finally:
         os.close(pidfd)
+
+
+# The mark of a signal the agent means for the job (also in cryosleep-init and the interceptor's shield.c): a
+# sandbox's init forwards such a SIGTERM to the workers, and their SIGTERM shield lets it through.
+SIGNAL_MARK = 0x43525953
+
+
+class _Sigval(ctypes.Union):
+    _fields_ = [("sival_int", ctypes.c_int), ("sival_ptr", ctypes.c_void_p)]
+
+
+def send_marked(pid: int, sig: int) -> None:
+    """``sig`` to ``pid``, queued with :data:`SIGNAL_MARK` (sigqueue); raises ProcessLookupError when it is gone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.sigqueue.argtypes = [ctypes.c_int, ctypes.c_int, _Sigval]
+    if libc.sigqueue(pid, sig, _Sigval(sival_int=SIGNAL_MARK)) != 0:
+        err = ctypes.get_errno()
+        raise ProcessLookupError(err, os.strerror(err)) if err == 3 else OSError(err, os.strerror(err))

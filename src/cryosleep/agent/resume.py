@@ -1,0 +1,226 @@
+"""The same launch line resumes: what `cryosleep run` does when its job has been here before.
+
+A requeued Slurm batch script, a restarted pod or a rerun by hand runs the same ``cryosleep run ...`` line again.
+Before it starts anything, the launcher asks :func:`choose` whether this job has a snapshot to continue from:
+
+- **suspended**: the job's last run ended in a stop snapshot (its record here says so, or, on a machine that never
+  ran it, the job's record in the store does): that snapshot is restored, if its command is this one (same name,
+  program and arguments, same shape); a different command is refused, naming the snapshot, since a silent fresh
+  start would leave it behind and a restore would run what the line did not say;
+- **crashed** (``--resume latest``): the last run died without a stop snapshot (its agent gone, or failed): the
+  newest verified snapshot of the job with this command is restored;
+- otherwise, and always with ``--fresh``, the job starts anew.
+
+The choice is a pure function of what was found (:class:`Found`), so that every rule is tested without jobs; the
+launcher makes it while it holds the job's lock, so two launches of one job on a machine never both run it (the
+second meets the first's lock). What it chose, and why, goes to the job's decision log and to stderr.
+
+The job's record in a store (``jobs/<name>.json`` beside the snapshots: in a directory store's root, and as an
+object of a remote chunk store) is written by the agent as the job starts, is restored, and ends, so that a new
+machine with only the store knows whether the newest stop snapshot is still waiting to be resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from cryosleep.errors import CryosleepError
+
+Policy = Literal["auto", "latest", "fresh"]
+
+# What makes two launches the same job: the name is the record's key; these fields of the spec must match.
+SAME_JOB_FIELDS = ("program", "nproc_per_node", "nnodes", "node_rank")
+
+
+def command_of(spec: dict[str, Any]) -> dict[str, Any]:
+    """The part of a job spec that a resumed launch must repeat. The interpreter's path is left out of the program
+    (a new machine's virtualenv may live elsewhere); the script and every argument count."""
+    out = {k: spec.get(k) for k in SAME_JOB_FIELDS}
+    program = list(spec.get("program") or [])
+    if program and Path(str(program[0])).name.startswith("python"):
+        program = ["python", *program[1:]]
+    out["program"] = program
+    return out
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """How the command of spec ``b`` differs from spec ``a``'s, one line each (empty: the same job)."""
+    ca, cb = command_of(a), command_of(b)
+    return [f"{k}: {ca[k]!r} then, {cb[k]!r} now" for k in SAME_JOB_FIELDS if ca[k] != cb[k]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A snapshot of the job, as found in a store."""
+
+    id: str
+    mode: str  # "stop" | "keep-running"
+    created_at: float
+    job: dict[str, Any]  # its job spec
+    verified: bool  # complete and intact where it is (a stop snapshot was verified before it was reported safe)
+    where: str  # "local" or the remote store's URL
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the launcher found about the job before choosing."""
+
+    spec: dict[str, Any]  # the job as this launch line describes it
+    last_state: str | None = None  # the job's record on this machine: running | suspended | exited | failed | lost
+    last_snapshot: str | None = None  # ... and its last snapshot
+    last_at: float = 0.0  # ... and when it was written (the run's end, else its start)
+    store_state: str | None = None  # the job's record in the store (jobs/<name>.json): running | suspended | ended
+    store_snapshot: str | None = None
+    store_at: float = 0.0
+    candidates: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True)
+class Choice:
+    action: Literal["fresh", "restore", "refuse"]
+    reasons: tuple[str, ...]
+    snapshot: Candidate | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"action": self.action, "reasons": list(self.reasons),
+                "snapshot": self.snapshot.id if self.snapshot else None,
+                "where": self.snapshot.where if self.snapshot else None}
+
+
+def choose(found: Found, policy: Policy) -> Choice:
+    """Resume, start fresh, or refuse: the rules in the module's docstring."""
+    name = str(found.spec.get("name"))
+    if policy == "fresh":
+        return Choice("fresh", ("--fresh: the job starts anew, whatever snapshots it has",))
+    by_id = {c.id: c for c in found.candidates}
+    if found.store_state is not None and (found.last_state is None or found.store_at > found.last_at):
+        # the store's record is newer: the job ran on (or was resumed by) another machine since it last ran here
+        found = replace(found, last_state=None, last_snapshot=None)
+    suspended_in, said = None, ""
+    if found.last_state == "suspended" and found.last_snapshot:
+        suspended_in, said = found.last_snapshot, "its record on this machine"
+    elif found.last_state is None and found.store_state == "suspended" and found.store_snapshot:
+        suspended_in, said = found.store_snapshot, "its record in the store"
+    if suspended_in is not None:
+        snap = by_id.get(suspended_in)
+        if snap is None:
+            return Choice("refuse", (f"job {name} is suspended in snapshot {suspended_in} ({said}), but that snapshot "
+                                     "is in no store this launch reads",))
+        diff = differences(snap.job, found.spec)
+        if diff:
+            return Choice("refuse", (f"job {name} is suspended in snapshot {snap.id}, taken of another command: "
+                                     + "; ".join(diff),), snap)
+        return Choice("restore", (f"job {name} is suspended in snapshot {snap.id} ({said}); its command is this one",),
+                      snap)
+    crashed = found.last_state in ("failed", "lost") or (found.last_state is None and found.store_state == "running")
+    if policy == "latest" and crashed:
+        usable = [c for c in found.candidates if c.verified and not differences(c.job, found.spec)]
+        if usable:
+            snap = max(usable, key=lambda c: c.created_at)
+            return Choice("restore", (f"--resume latest: job {name}'s last run ended without a stop snapshot "
+                                      f"({found.last_state or 'running, says the store'}); {snap.id} is its newest "
+                                      f"verified {snap.mode} snapshot with this command",), snap)
+        return Choice("fresh", (f"--resume latest: job {name}'s last run ended without a stop snapshot, and no "
+                                "verified snapshot of it has this command: the job starts anew",))
+    if found.last_state is None and found.store_state is None:
+        return Choice("fresh", (f"job {name} has no record here or in the store: a new job",))
+    if crashed:
+        return Choice("fresh", (f"job {name}'s last run ended without a stop snapshot "
+                                f"({found.last_state or 'running'}); it starts anew (`--resume latest` would restore "
+                                "its newest verified snapshot)",))
+    last = found.last_state or found.store_state
+    return Choice("fresh", (f"job {name}'s last run {'ended' if last in ('exited', 'ended') else 'is ' + str(last)}, "
+                            "not suspended: the job starts anew",))
+
+
+# -- the job's record in a store --------------------------------------------------------------------------------
+
+RECORD_DIR = "jobs"
+
+
+@dataclass
+class StoreRecord:
+    """``jobs/<name>.json`` in a store: where the job's life stands, for a machine that never ran it."""
+
+    job: str
+    state: str  # running | suspended | ended | failed
+    snapshot: str | None = None  # suspended: the stop snapshot; running: the snapshot it was restored from
+    host: str = field(default_factory=socket.gethostname)
+    at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def parse(cls, data: bytes) -> StoreRecord | None:
+        """None for anything that is not a record (a damaged or foreign file reads as no record)."""
+        try:
+            d = json.loads(data)
+            rec = cls(job=str(d["job"]), state=str(d["state"]), snapshot=d.get("snapshot"),
+                      host=str(d.get("host", "")), at=float(d.get("at", 0.0)))
+        except (ValueError, KeyError, TypeError):
+            return None
+        if rec.snapshot is not None and not isinstance(rec.snapshot, str):
+            return None
+        return rec
+
+
+def record_name(job: str) -> str:
+    return f"{RECORD_DIR}/{job}.json"
+
+
+def write_local_record(store_root: Path, rec: StoreRecord) -> None:
+    path = store_root / record_name(rec.job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(rec.to_json(), sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_local_record(store_root: Path, job: str) -> StoreRecord | None:
+    try:
+        rec = StoreRecord.parse((store_root / record_name(job)).read_bytes())
+    except OSError:
+        return None
+    return rec if rec is not None and rec.job == job else None
+
+
+def write_remote_record(url: str, rec: StoreRecord) -> None:
+    from cryosleep.store.urls import open_backend  # the S3 client, only when a remote store is used
+
+    open_backend(url).put(record_name(rec.job), json.dumps(rec.to_json(), sort_keys=True).encode())
+
+
+def read_remote_record(url: str, job: str) -> StoreRecord | None:
+    from cryosleep.errors import ObjectNotFound
+    from cryosleep.store.urls import open_backend
+
+    try:
+        data = open_backend(url).get(record_name(job))
+    except ObjectNotFound:
+        return None
+    rec = StoreRecord.parse(data)
+    return rec if rec is not None and rec.job == job else None
+
+
+def remote_of(persist: dict[str, Any] | None) -> str | None:
+    """The remote store a job persists to (its spec's ``persist``), if any."""
+    return str((persist or {}).get("url") or "") or None
+
+
+def record(store_root: Path, remote: str | None, rec: StoreRecord, log: Any = None) -> None:
+    """The job's record, in the local store and (when the job persists there) the remote one. A record that cannot
+    be written is said in the agent's log and costs the job nothing: without it a new machine starts the job anew."""
+    try:
+        write_local_record(store_root, rec)
+        if remote:
+            write_remote_record(remote, rec)
+    except (OSError, CryosleepError) as e:
+        if log is not None:
+            log(f"the job's record ({rec.state}) could not be written to its store: {e}")
