@@ -166,6 +166,15 @@ class Coordinator:
             raise self._unknown_agent(agent_id)
         return {"commands": [c.to_json() for c in cmds]}
 
+    def leave(self, agent_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The agent goes (its job ended on its node): counted out at once, with its reason."""
+        reason = str(body.get("reason") or "its agent left")[:500]
+        line = self.hub.line(agent_id)
+        if line is None or not self.hub.leave(agent_id, str(body.get("incarnation", "")), reason):
+            raise self._unknown_agent(agent_id)
+        self.catalog.event("agent", f"node {line.node_rank} left: {reason}", job=line.job, node_rank=line.node_rank)
+        return {"left": True}
+
     def results(self, agent_id: str, body: dict[str, Any]) -> dict[str, Any]:
         inc = str(body.get("incarnation", ""))
         n = 0
@@ -184,6 +193,7 @@ class Coordinator:
             out.append({"node_rank": a["node_rank"], "agent": a["id"], "hostname": a["hostname"],
                         "address": a["address"], "ranks": a["ranks"], "registered_at": a["registered_at"],
                         "connected": age is not None, "alive": self.hub.alive(a["id"], self.cfg.lost_after_s),
+                        "left": self.hub.left(a["id"]),
                         "last_seen_s": None if age is None else round(age, 3)})
         return out
 
@@ -221,15 +231,20 @@ class Coordinator:
                            "wait for it to finish (`cryosleep coordinator snapshots JOB`), then try again")
             nodes = {int(n["node_rank"]): str(n["agent"]) for n in status["nodes"]}
             missing = sorted(set(range(status["nnodes"])) - set(nodes))
-            lost = [n["node_rank"] for n in status["nodes"] if not n["alive"]]
-            if missing or lost:
+            lost = [n["node_rank"] for n in status["nodes"] if not n["alive"] and not n["left"]]
+            left = [f"node {n['node_rank']}: {n['left']}" for n in status["nodes"] if n["left"]]
+            if missing or lost or left:
                 why = []
                 if missing:
                     why.append(f"node(s) {missing} never registered")
                 if lost:
                     why.append(f"the agents of node(s) {lost} are lost (no poll for {self.cfg.lost_after_s:g} s)")
-                raise NotEligible(f"job {job!r} cannot be snapshotted now", "; ".join(why),
-                                  "start the missing node agents (or wait for them to reconnect), then try again")
+                if left:
+                    why.append("the agents left (" + "; ".join(left) + ")")
+                hint = "start the missing node agents (or wait for them to reconnect), then try again"
+                if left and not (missing or lost):
+                    hint = "the job ended on those nodes: restore one of its snapshots to run it again"
+                raise NotEligible(f"job {job!r} cannot be snapshotted now", "; ".join(why), hint)
             if status["state"] == "suspended":
                 raise NotEligible(f"job {job!r} is suspended", f"in snapshot {status['last_snapshot']}",
                                   "restore it first")

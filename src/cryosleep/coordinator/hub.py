@@ -3,7 +3,8 @@
 Each registered agent (one incarnation of it) has an outbox of commands not yet answered. A long poll takes
 the commands that are due (never delivered, or delivered ``redeliver_s`` ago without an answer: at least
 once); a result removes its command and wakes whoever waits for it. An agent is alive while it has a poll
-open, or polled within ``lost_after_s``. Everything here is guarded by one lock; each agent has its own
+open, or polled within ``lost_after_s``; one that said it leaves (``leave``: its job ended on its node, so the
+agent exits) is not, from that moment, and says why. Everything here is guarded by one lock; each agent has its own
 condition so that a result or a command wakes only the threads concerned (128 pollers do not all wake for
 each of 128 results).
 """
@@ -47,6 +48,7 @@ class AgentLine:
     last_seen: float = 0.0
     polling: int = 0
     replaced: bool = False
+    left: str | None = None  # why the agent left (its job ended there), or None
 
 
 class Hub:
@@ -68,6 +70,7 @@ class Hub:
             old = self.lines.get(agent_id)
             if old is not None and old.incarnation == incarnation:
                 old.last_seen = time.monotonic()
+                old.left = None  # registered again after leaving: it is here
                 return
             if old is not None:
                 old.replaced = True
@@ -88,9 +91,28 @@ class Hub:
     def alive(self, agent_id: str, lost_after_s: float, now: float | None = None) -> bool:
         with self.lock:
             a = self.lines.get(agent_id)
-            if a is None:
+            if a is None or a.left is not None:
                 return False
             return a.polling > 0 or (now or time.monotonic()) - a.last_seen < lost_after_s
+
+    def left(self, agent_id: str) -> str | None:
+        """Why the registered agent left (its job ended on its node), or None while it has not."""
+        with self.lock:
+            a = self.lines.get(agent_id)
+            return a.left if a is not None else None
+
+    def leave(self, agent_id: str, incarnation: str, reason: str) -> bool:
+        """The agent says it goes (its job ended on its node): from now on it is not alive, with ``reason``
+        instead of an agent lost after ``lost_after_s`` of silence, and a snapshot waiting on it fails at once.
+        False: this incarnation is not the registered one."""
+        with self.lock:
+            a = self.lines.get(agent_id)
+            if a is None or a.incarnation != incarnation:
+                return False
+            a.left = reason or "its agent left"
+            a.cond.notify_all()
+            self.results_cond.notify_all()
+            return True
 
     def last_seen_age(self, agent_id: str) -> float | None:
         with self.lock:
@@ -125,8 +147,8 @@ class Hub:
         that its client is still connected."""
         with self.lock:
             a = self.lines.get(agent_id)
-            if a is None or a.incarnation != incarnation:
-                return None
+            if a is None or a.incarnation != incarnation or a.left is not None:
+                return None  # a poll after leaving: it registers again to be counted alive
             for res in results:
                 self._put(a, res)
             a.polling += 1
@@ -136,7 +158,7 @@ class Hub:
                     now = time.monotonic()
                     a.last_seen = now
                     self.seen_wall[agent_id] = time.time()
-                    if a.replaced or self.closed:
+                    if a.replaced or self.closed or a.left is not None:
                         return None if a.replaced else []
                     due = [p for p in a.outbox.values()
                            if p.delivered is None or now - p.delivered >= self.redeliver_s]
@@ -202,7 +224,8 @@ class Hub:
                     out[a] = (None, False, None)
                 else:
                     age = 0.0 if line.polling else now - line.last_seen
-                    out[a] = (line.incarnation, line.polling > 0 or age < lost_after_s, age)
+                    alive = line.left is None and (line.polling > 0 or age < lost_after_s)
+                    out[a] = (line.incarnation, alive, age)
             return out
 
     def stats(self, lost_after_s: float) -> tuple[int, int, int, int]:
@@ -210,7 +233,7 @@ class Hub:
         now = time.monotonic()
         with self.lock:
             lines = [a for a in self.lines.values() if not a.replaced]
-            alive = sum(1 for a in lines if a.polling > 0 or now - a.last_seen < lost_after_s)
+            alive = sum(1 for a in lines if a.left is None and (a.polling > 0 or now - a.last_seen < lost_after_s))
             return (len(lines), alive, sum(a.polling for a in lines), sum(len(a.outbox) for a in lines))
 
     def forget(self, snapshot: str) -> None:

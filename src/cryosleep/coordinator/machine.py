@@ -188,7 +188,9 @@ class SnapshotRun:
                     if inc != self.incarnations[agent]:
                         why = "its agent restarted (registered again), losing the snapshot's state"
                     elif not alive:
-                        why = f"its agent was lost (no poll for {age or 0:.1f} s)"
+                        went = self.hub.left(agent)  # it said so as it went (its job ended on its node)
+                        why = f"its agent left: {went}" if went else \
+                            f"its agent was lost (no poll for {age or 0:.1f} s)"
                     elif self.cancelled and not self.rolling_back:  # the rollback itself still runs
                         why = "the coordinator is shutting down"
                     if why is not None:

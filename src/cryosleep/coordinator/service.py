@@ -15,6 +15,7 @@ Agents::
                                            facts, spec}   -> {agent_id, poll_wait_s, protocol}
     POST /v1/agents/{agent}/poll          {incarnation, wait_s, results?}  -> {commands: [...]}  (long poll)
     POST /v1/agents/{agent}/results       {incarnation, results: [...]}    -> {accepted}
+    POST /v1/agents/{agent}/leave         {incarnation, reason}            -> {left}  (its job ended there)
 
 Clients::
 
@@ -78,6 +79,7 @@ ROUTES: list[Route] = [
     ("POST", re.compile(r"^/v1/agents/register$"), "register"),
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/poll$"), "poll"),
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/results$"), "results"),
+    ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/leave$"), "leave"),
     ("GET", re.compile(r"^/v1/jobs$"), "jobs"),
     ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)$"), "job"),
     ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/snapshots$"), "job_snapshots"),
@@ -134,7 +136,7 @@ class Handler(BaseHTTPRequestHandler):
         if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
             ok = super().parse_request()
             self.hdrs = {k.lower(): v for k, v in self.headers.items()} if ok else {}
-            return ok
+            return ok and self._length_given()
         self.requestline = line
         self.command, self.path, self.request_version = parts
         hdrs: dict[str, str] = {}
@@ -153,9 +155,19 @@ class Handler(BaseHTTPRequestHandler):
         self.hdrs = hdrs
         conn = hdrs.get("connection", "").lower()
         self.close_connection = conn == "close" or (self.request_version == "HTTP/1.0" and conn != "keep-alive")
+        if not self._length_given():
+            return False
         if hdrs.get("expect", "").lower() == "100-continue":
             return self.handle_expect_100()
         return True
+
+    def _length_given(self) -> bool:
+        """A body comes with Content-Length. A chunked one (no client of ours sends it) is refused with 411 and
+        the connection closed: reading on, its chunks would be taken for the next request."""
+        if "transfer-encoding" not in self.hdrs:
+            return True
+        self.send_error(411, "Length Required", "send the body with Content-Length (chunked bodies are not read)")
+        return False
 
     def setup(self) -> None:
         super().setup()
@@ -257,6 +269,8 @@ class Handler(BaseHTTPRequestHandler):
             return c.poll(p["agent"], body, self._gone)
         if name == "results":
             return c.results(p["agent"], body)
+        if name == "leave":
+            return c.leave(p["agent"], body)
         if name == "jobs":
             return {"jobs": c.jobs()}
         if name == "job":
