@@ -166,9 +166,11 @@ class SimWorld:
 class SimNode:
     """One node's simulated agent (``client.NodeBackend``)."""
 
-    def __init__(self, world: SimWorld, node: int, store: Path, faults: SimFaults | None = None) -> None:
+    def __init__(self, world: SimWorld, node: int, store: Path, faults: SimFaults | None = None,
+                 net: bool = True) -> None:
         self.world = world
         self.node = node
+        self.net = net  # a job network (net_hold holds it); without one on any node, the coordinator skips the hold
         self.store = store
         self.faults = faults or SimFaults()
         self.ranks = world.ranks[node * world.nproc:(node + 1) * world.nproc]
@@ -246,7 +248,8 @@ class SimNode:
         if any(rk.ended for rk in self.ranks):
             raise NotEligible(f"node {self.node}'s workers have ended", "", "")
         self.world.run_free(self.ranks, 3)
-        return {"ranks": [rk.rank for rk in self.ranks], "gen": self.gen, "facts": {"simulated": True}}
+        return {"ranks": [rk.rank for rk in self.ranks], "gen": self.gen, "facts": {"simulated": True},
+                "net": self.net}
 
     def hold(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._hold, cmd)
@@ -319,7 +322,7 @@ class SimNode:
         self._enter(cmd)
         if any(rk.live for rk in self.ranks):
             raise CaptureFailed(f"node {self.node}: ranks are not quiesced", "", "")
-        if cmd.args.get("mode") == "keep-running" and not self.net_held:
+        if cmd.args.get("mode") == "keep-running" and self.net and not self.net_held:
             raise CaptureFailed(f"node {self.node}: a keep-running dump without the job network held", "", "")
         self.staged[cmd.snapshot] = {"node": self.node, "ranks": {
             str(rk.rank): {ident_hex(i): n for i, n in sorted(rk.seq.items())} for rk in self.ranks}}
@@ -448,10 +451,10 @@ class SimCluster:
     def __init__(self, url: str, token: str, store: Path, *, job: str = "sim", nnodes: int = 2, nproc: int = 4,
                  seed: int = 0, spread: int = 5, call_s: float = 0.0, faults: dict[int, SimFaults] | None = None,
                  wait_s: float = 20.0, log: Callable[[str], None] | None = None,
-                 only: range | None = None) -> None:
+                 only: range | None = None, net: bool = True) -> None:
         self.world = SimWorld(nnodes, nproc, seed=seed, spread=spread, call_s=call_s)
         self.job = job
-        self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n)) for n in (only or range(nnodes))]
+        self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n), net) for n in (only or range(nnodes))]
         self.runners: list[AgentRunner] = []
         for node in self.nodes:
             reg = Registration(job=job, nnodes=nnodes, node_rank=node.node, ranks=[rk.rank for rk in node.ranks],

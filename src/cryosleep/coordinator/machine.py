@@ -123,6 +123,7 @@ class SnapshotRun:
         self.images: dict[int, dict[str, Any]] = {}
         self.cancelled = False
         self.rolling_back = False
+        self.holds_net = True  # some node has a job network to hold while dumping (its prepare answer says)
         self.finished = threading.Event()  # set once the run is over and no longer the job's active one
 
     # ---- talking to every node ------------------------------------------------------------------------------
@@ -155,8 +156,9 @@ class SnapshotRun:
                 out.failed.append(NodeFailure(n, f"{op}: its agent restarted (registered again), losing the "
                                               "snapshot's state"))
                 continue
-            a = args(n) if callable(args) else args
-            self.hub.send(self.nodes[n], cid, self.sid, self.job, op, a, deadline)
+        # one lock acquisition for the round's commands, one wake-up when its answers are in (hub.send_round)
+        self.hub.send_round(cid, self.sid, self.job, op,
+                            {self.nodes[n]: args(n) if callable(args) else args for n in todo}, deadline)
         pending = set(todo)
         node_of = {self.nodes[n]: n for n in todo}
         phase = PHASE_OF[op]
@@ -203,8 +205,7 @@ class SnapshotRun:
                 break
             if pending:
                 self.hub.wait_arrivals(cid, seen, deadline)
-        for n in pending:
-            self.hub.cancel(self.nodes[n], cid)
+        self.hub.end_round(cid, [self.nodes[n] for n in pending])
         if self.metrics is not None:
             self.metrics.round_seconds.labels(str(op)).observe(time.monotonic() - started)
         if out.failed and not tolerant:
@@ -229,6 +230,7 @@ class SnapshotRun:
     def prepare(self) -> None:
         out = self.gather(Op.PREPARE, {"mode": str(self.mode)}, self.deadline)
         self.gen = max([int(d.get("gen", 0)) for d in out.ok.values()] + [0])
+        self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has
 
     def drain(self) -> Decision:
         gen = self.next_gen()
@@ -267,12 +269,13 @@ class SnapshotRun:
     def capture(self) -> None:
         """Keep-running: the job network is held on every node from before the first dump to after the last, so
         that no byte crosses between a node already dumped (and running on) and one not yet dumped
-        (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump."""
-        keep = self.mode is Mode.KEEP_RUNNING
-        if keep:
+        (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump; nor does a job
+        without a job network on any node (two rounds fewer)."""
+        hold = self.mode is Mode.KEEP_RUNNING and self.holds_net
+        if hold:
             self.gather(Op.NET_HOLD, {}, self.deadline)
         self.gather(Op.CAPTURE, {"mode": str(self.mode), "gen": self.next_gen()}, self.deadline)
-        if keep:
+        if hold:
             self.gather(Op.NET_RELEASE, {}, self.deadline)
 
     def rebuild_all(self, deadline: float) -> None:

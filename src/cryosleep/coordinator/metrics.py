@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -54,6 +55,15 @@ class CoordinatorMetrics:
         self.requests = Counter(p + "requests", "HTTP requests by route and status code", ["route", "code"],
                                 registry=r)
         self.errors = Counter(p + "errors", "HTTP requests answered with an error, by kind", ["kind"], registry=r)
+        self._request_children: dict[tuple[str, int], Any] = {}
+
+    def request(self, route: str, code: int) -> None:
+        """One HTTP request answered (the labelled child looked up once per route and code: every poll counts)."""
+        key = (route, code)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(route, str(code))
+        child.inc()
 
     def watch_hub(self, stats: Callable[[], tuple[int, int, int, int]]) -> None:
         """``stats()`` -> (registered, alive, polls open, commands queued), read at each scrape."""

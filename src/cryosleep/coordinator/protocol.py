@@ -1,4 +1,4 @@
-"""The messages between the coordinator and the node agents (JSON over HTTP), version 1.
+"""The messages between the coordinator and the node agents (JSON over HTTP), version 2.
 
 Transport: **agents connect out**. An agent registers (``POST /v1/agents/register``), then long-polls
 (``POST /v1/agents/{agent}/poll``: held open until a command is queued for it or ``wait_s`` passes) and posts
@@ -60,11 +60,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryosleep.core.interceptor import CommSlot
-from cryosleep.cut.rules import CommTarget, RankView
+from cryosleep.core.interceptor import MAX_PEERS, CommSlot
+from cryosleep.cut.rules import CommTarget, RankView, zeros
 from cryosleep.errors import CryosleepError, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: slots on the wire as lists (protocol.slot_to_json); 1: as named fields (still read)
 GEN_STRIDE = 8  # generations reserved per command (HOLD + QUIESCE of a re-quiesce, REBUILD + RUN, ...)
 API = "/v1"
 
@@ -167,20 +167,11 @@ def _sparse(xs: tuple[int, ...]) -> dict[str, int]:
     return {str(i): n for i, n in enumerate(xs) if n}
 
 
-_ZEROS: dict[int, tuple[int, ...]] = {}
-
-
-def zeros(n: int) -> tuple[int, ...]:
-    """One shared all-zero tuple per length (most per-peer lists are all zero: thousands of slots share it)."""
-    z = _ZEROS.get(n)
-    if z is None:
-        z = _ZEROS[n] = (0,) * n
-    return z
-
-
 def _dense(d: Mapping[str, Any] | None, n: int) -> tuple[int, ...]:
     if not d:
         return zeros(n)
+    if not isinstance(d, Mapping):
+        raise ValueError(f"a per-peer list is sparse ({{peer: n}}), not {type(d).__name__}")
     out = [0] * n
     for k, v in d.items():
         i = int(k)
@@ -190,19 +181,23 @@ def _dense(d: Mapping[str, Any] | None, n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-_SLOT_INTS = ("index", "state", "vid", "rank", "nranks", "parent_vid", "color", "key", "rebuild", "flags", "device",
-              "seq", "coll_target", "uid_gen", "waiting", "waiting_kind", "waiting_peer")
+_HEAD = 18  # the slot's fields before its per-peer lists, in CommSlot's order (ident the 4th, in hex)
 
 
-def slot_to_json(s: CommSlot) -> dict[str, Any]:
-    d: dict[str, Any] = {k: getattr(s, k) for k in _SLOT_INTS}
-    d["ident"] = ident_hex(s.ident)
-    d["peers"] = len(s.send)
-    for k in ("send", "recv", "send_target", "recv_target"):
-        sp = _sparse(getattr(s, k))
-        if sp:
-            d[k] = sp
-    return d
+def slot_to_json(s: CommSlot) -> list[Any]:
+    """A slot as a list: CommSlot's 18 scalar fields in order (``ident`` in hex), the per-peer lists' length, then
+    the sparse send, recv, send_target, recv_target (trailing empty ones left out). Positional: a drain of 2,048
+    nodes decodes every rank's slots every round, and field names were most of the bytes."""
+    out: list[Any] = [s.index, s.state, s.vid, ident_hex(s.ident), s.rank, s.nranks, s.parent_vid, s.color, s.key,
+                      s.rebuild, s.flags, s.device, s.seq, s.coll_target, s.uid_gen, s.waiting, s.waiting_kind,
+                      s.waiting_peer, len(s.send)]
+    lists = [_sparse(s.send) if any(s.send) else {}, _sparse(s.recv) if any(s.recv) else {},
+             _sparse(s.send_target) if any(s.send_target) else {},
+             _sparse(s.recv_target) if any(s.recv_target) else {}]
+    while lists and not lists[-1]:
+        lists.pop()
+    out.extend(lists)
+    return out
 
 
 _IDENTS: dict[str, int] = {}
@@ -217,8 +212,32 @@ def _ident(h: Any) -> int:
     return i
 
 
-def slot_from_json(d: Mapping[str, Any]) -> CommSlot:
-    # positional, field by field: this runs for every slot of every rank in every round of a drain
+def _int(x: Any) -> int:
+    if type(x) is int:  # what JSON gives; anything else is checked (and refused) by int()
+        return x
+    if isinstance(x, bool | float) or not isinstance(x, int | str):
+        raise ValueError(f"not an integer: {x!r}")
+    return int(x)
+
+
+def slot_from_json(d: Any) -> CommSlot:
+    """A slot from its list form (``slot_to_json``), or from the named form of protocol 1 (a dict)."""
+    if isinstance(d, Mapping):
+        return _slot_from_dict(d)
+    if not isinstance(d, list) or not _HEAD + 1 <= len(d) <= _HEAD + 5:
+        raise ValueError(f"a slot is a list of {_HEAD + 1} to {_HEAD + 5} items, not {type(d).__name__}")
+    n = _int(d[_HEAD])
+    if not 0 <= n <= MAX_PEERS:
+        raise ValueError(f"{n} peers (at most {MAX_PEERS})")
+    lists = [_dense(x, n) for x in d[_HEAD + 1:]]
+    while len(lists) < 4:
+        lists.append(zeros(n))
+    i = [_int(x) for x in d[4:_HEAD]]
+    return CommSlot(_int(d[0]), _int(d[1]), _int(d[2]), _ident(d[3]), i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7],
+                    i[8], i[9], i[10], i[11], i[12], i[13], lists[0], lists[1], lists[2], lists[3])
+
+
+def _slot_from_dict(d: Mapping[str, Any]) -> CommSlot:
     n = int(d["peers"])
     return CommSlot(int(d["index"]), int(d["state"]), int(d["vid"]), _ident(d["ident"]), int(d["rank"]),
                     int(d["nranks"]), int(d["parent_vid"]), int(d["color"]), int(d["key"]), int(d["rebuild"]),

@@ -190,7 +190,7 @@ class Handler(BaseHTTPRequestHandler):
               content_type: str = "application/json") -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         m = self.server.coordinator.metrics
-        m.requests.labels(self.route, str(status)).inc()
+        m.request(self.route, status)
         if status >= 400:
             m.errors.labels(body.get("error", "error") if isinstance(body, dict) else "error").inc()
         head = [f"HTTP/1.1 {status} {_PHRASES.get(status, '')}", "Server: cryosleep", f"Date: {_http_date()}",

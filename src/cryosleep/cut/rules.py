@@ -134,12 +134,24 @@ def max_targets(views: Iterable[RankView], floor: Targets | None = None) -> dict
     return out
 
 
+_ZEROS: dict[int, tuple[int, ...]] = {}
+
+
+def zeros(n: int) -> tuple[int, ...]:
+    """One shared all-zero tuple per length: most per-peer lists are all zero, and comparing a list with the
+    very same tuple is one identity check (``decide`` compares every slot of every rank each round)."""
+    z = _ZEROS.get(n)
+    if z is None:
+        z = _ZEROS[n] = (0,) * n
+    return z
+
+
 def slot_targets(targets: Targets, s: CommSlot) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """What to write on one member's slot: (coll_target, send_target[peer], recv_target[peer])."""
     t = targets.get(s.ident)
     n = len(s.send)
     if t is None or not t.pairs:
-        return (0 if t is None else t.coll), (0,) * n, (0,) * n
+        return (0 if t is None else t.coll), zeros(n), zeros(n)
     send = tuple(t.pairs.get((s.rank, p), 0) for p in range(n))
     recv = tuple(t.pairs.get((p, s.rank), 0) for p in range(n))
     return t.coll, send, recv
