@@ -149,7 +149,7 @@ def test_wire_encoding_round_trips() -> None:
     wire = view_to_json(v)["comms"][0]
     assert len(wire) == 23 and len(slot_to_json(replace(s, recv_target=(0,) * 4, send_target=(0,) * 4))) == 21
     bad_slots = ([*wire[:5], "x", *wire[6:]], wire[:10], [*wire[:18], 65], [*wire[:19], [1, 2]],
-                 [*wire[:1], 1.5, *wire[2:]])
+                 [*wire[:1], None, *wire[2:]])
     for bad in bad_slots:
         with pytest.raises(ProtocolError):
             views_from_json({"views": [{"rank": 0, "comms": [bad]}]})

@@ -212,29 +212,25 @@ def _ident(h: Any) -> int:
     return i
 
 
-def _int(x: Any) -> int:
-    if type(x) is int:  # what JSON gives; anything else is checked (and refused) by int()
-        return x
-    if isinstance(x, bool | float) or not isinstance(x, int | str):
-        raise ValueError(f"not an integer: {x!r}")
-    return int(x)
-
-
 def slot_from_json(d: Any) -> CommSlot:
     """A slot from its list form (``slot_to_json``), or from the named form of protocol 1 (a dict)."""
-    if isinstance(d, Mapping):
-        return _slot_from_dict(d)
-    if not isinstance(d, list) or not _HEAD + 1 <= len(d) <= _HEAD + 5:
-        raise ValueError(f"a slot is a list of {_HEAD + 1} to {_HEAD + 5} items, not {type(d).__name__}")
-    n = _int(d[_HEAD])
+    if type(d) is not list:
+        if isinstance(d, dict):
+            return _slot_from_dict(d)
+        raise ValueError(f"a slot is a list, not {type(d).__name__}")
+    if not _HEAD + 1 <= len(d) <= _HEAD + 5:
+        raise ValueError(f"a slot is a list of {_HEAD + 1} to {_HEAD + 5} items, not {len(d)}")
+    n = int(d[_HEAD])
     if not 0 <= n <= MAX_PEERS:
         raise ValueError(f"{n} peers (at most {MAX_PEERS})")
-    lists = [_dense(x, n) for x in d[_HEAD + 1:]]
-    while len(lists) < 4:
-        lists.append(zeros(n))
-    i = [_int(x) for x in d[4:_HEAD]]
-    return CommSlot(_int(d[0]), _int(d[1]), _int(d[2]), _ident(d[3]), i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7],
-                    i[8], i[9], i[10], i[11], i[12], i[13], lists[0], lists[1], lists[2], lists[3])
+    z = zeros(n)
+    if len(d) == _HEAD + 1:  # no point-to-point counts at all: the common case
+        send = recv = send_t = recv_t = z
+    else:
+        send, recv, send_t, recv_t = ([_dense(x, n) for x in d[_HEAD + 1:]] + [z, z, z])[:4]
+    i = list(map(int, d[4:_HEAD]))  # int() as protocol 1 read each field (a builtin over the list: no call per field)
+    return CommSlot(int(d[0]), int(d[1]), int(d[2]), _ident(d[3]), i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7],
+                    i[8], i[9], i[10], i[11], i[12], i[13], send, recv, send_t, recv_t)
 
 
 def _slot_from_dict(d: Mapping[str, Any]) -> CommSlot:
