@@ -18,7 +18,9 @@ every agent, and every answer back). Then one stop snapshot. Every cut is checke
 communicator at the same count in the persisted images.
 
 ``--coordinator-src DIR`` runs the coordinator from another source tree (the baseline: an older commit's
-``src``, e.g. ``git archive main src | tar -x -C /tmp/old``), the agents from this one.
+``src``, e.g. ``git archive main src | tar -x -C /tmp/old``), the agents from this one. A coordinator older than
+protocol 2 cannot read this tree's agents' counters: run the whole benchmark with ``PYTHONPATH=OLD/src`` then
+(the agents' client and wire format from the old tree, the simulated agents still this tree's tests/coordinator/sim.py).
 """
 
 from __future__ import annotations
