@@ -1,18 +1,26 @@
 """The coordinator at scale: simulated node agents and ranks, real HTTP, real SQLite (docs/benchmarks.md).
 
-    .venv/bin/python bench/coordinator_scale.py [--nodes 128] [--nproc 8] [--reps 5] [--separate]
+    .venv/bin/python bench/coordinator_scale.py [--nodes 128] [--nproc 8] [--reps 5] [--agent-procs 4]
 
-Starts the coordinator (in this process, or with --separate as `cryosleep coordinator serve` in its own
-process), then ``--nodes`` simulated node agents (``cryosleep.coordinator.sim``: one thread and two keep-alive
-HTTP connections each, in this process) with ``--nproc`` ranks each. Every rank is in two communicators (its
-node's and the job-wide one) and the ranks start up to ``--spread`` calls apart, so the drain needs rounds:
-ranks behind run on, ranks held short of the cut get their held call added. Capture and persist are simulated
-(~0 s), so what is measured is the protocol: commands fanned out to every agent by long poll, results back,
-the cut computed over every rank's counters, the catalog written.
+Starts the coordinator as `cryosleep coordinator serve` in its own process, then ``--nodes`` simulated node
+agents (``tests/coordinator/sim.py``: one thread and two keep-alive HTTP connections each) spread over
+``--agent-procs`` processes, with ``--nproc`` ranks each. Every rank is in two communicators (its node's and the
+job-wide one) and the ranks start up to ``--spread`` calls apart, so the drain needs rounds: ranks behind run
+on, ranks held short of the cut get their held call added. Capture and persist are simulated (~0 s), so what is
+measured is the protocol: commands fanned out to every agent by long poll, results back, the cut computed over
+every rank's counters, the catalog written.
 
 Per keep-running snapshot it reports the snapshot's phase times as the coordinator recorded them (prepare,
-drain = one cut, quiesce, capture, resume, persist), the drain's rounds, and the total; then one stop snapshot.
-Every cut is checked: every member of every communicator at the same count in the persisted images.
+drain = one cut, quiesce, capture, resume, persist), the drain's rounds, the total, and the coordinator
+process's own CPU time: per phase (its /metrics: ``cryosleep_coordinator_phase_cpu_seconds_total``) and in all
+(/proc/PID/stat, the whole snapshot); the fan-out is one ``net_hold`` round (a command with nothing to do, to
+every agent, and every answer back). Then one stop snapshot. Every cut is checked: every member of every
+communicator at the same count in the persisted images.
+
+``--coordinator-src DIR`` runs the coordinator from another source tree (the baseline: an older commit's
+``src``, e.g. ``git archive main src | tar -x -C /tmp/old``), the agents from this one. A coordinator older than
+protocol 2 cannot read this tree's agents' counters: run the whole benchmark with ``PYTHONPATH=OLD/src`` then
+(the agents' client and wire format from the old tree, the simulated agents still this tree's tests/coordinator/sim.py).
 """
 
 from __future__ import annotations
@@ -28,26 +36,30 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-from cryosleep.coordinator import service
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.coordinator.sim: test-only code
+
 from cryosleep.coordinator.client import CoordinatorClient
-from cryosleep.coordinator.sim import SimCluster
+from tests.coordinator.sim import SimCluster
 
 PHASES = ["prepare", "drain", "quiesce", "capture", "resume", "persist"]
+TICK = os.sysconf("SC_CLK_TCK")
 
 
-def check_cut(cluster: SimCluster, sid: str) -> None:
+def check_cut(store: Path, sid: str, nproc: int) -> None:
     seen: dict[tuple[str, int], set[int]] = {}
-    for r, seq in cluster.cut_counters(sid).items():
-        node = r // cluster.world.nproc
-        for ident, n in seq.items():
-            key = (ident, node) if ident.startswith("0de") else (ident, -1)
-            seen.setdefault(key, set()).add(n)
+    for p in (store / sid).glob("node-*.json"):
+        for r, seq in json.loads(p.read_text())["ranks"].items():
+            node = int(r) // nproc
+            for ident, n in seq.items():
+                key = (ident, node) if ident.startswith("0de") else (ident, -1)
+                seen.setdefault(key, set()).add(n)
     bad = {k: v for k, v in seen.items() if len(v) != 1}
-    if bad:
-        raise SystemExit(f"snapshot {sid}: inconsistent cut {bad}")
+    if bad or not seen:
+        raise SystemExit(f"snapshot {sid}: inconsistent cut {bad}" if bad else f"snapshot {sid}: no images")
 
 
 def rounds(client: CoordinatorClient, sid: str) -> int:
@@ -58,79 +70,153 @@ def rounds(client: CoordinatorClient, sid: str) -> int:
     return -1
 
 
+def proc_cpu(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU seconds, every thread."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def scrape(url: str, token: str) -> dict[str, float] | None:
+    """The coordinator's per-phase CPU counters and per-op round sums/counts (None: an older coordinator)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    try:
+        text = urllib.request.urlopen(req, timeout=60).read().decode()
+    except Exception:
+        return None
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "cryosleep_coordinator_phase_cpu_seconds_total":
+                out[f"cpu:{s.labels['phase']}"] = s.value
+            elif s.name in ("cryosleep_coordinator_round_seconds_sum", "cryosleep_coordinator_round_seconds_count"):
+                out[f"{s.name.rsplit('_', 1)[1]}:{s.labels['op']}"] = s.value
+    return out
+
+
+def agents_main(a: argparse.Namespace) -> int:
+    """One process of simulated agents (--agents-of LO:HI): registers, serves, ends when stdin closes."""
+    lo, hi = (int(x) for x in a.agents_of.split(":"))
+    cluster = SimCluster(a.url, Path(a.token_file).read_text().strip(), Path(a.store), job="scale", nnodes=a.nodes,
+                         nproc=a.nproc, spread=a.spread, seed=1, only=range(lo, hi)).start(timeout=600)
+    print("ready", flush=True)
+    sys.stdin.read()
+    cluster.close()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=128)
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--spread", type=int, default=5, help="ranks start up to this many calls apart")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--separate", action="store_true", help="run the coordinator in its own process")
+    ap.add_argument("--agent-procs", type=int, default=4, help="processes the simulated agents are spread over")
+    ap.add_argument("--coordinator-src", help="run the coordinator from this source tree (a baseline)")
+    ap.add_argument("--profile", help="sample the coordinator's threads into this file (bench/profile_sampler.py)")
+    ap.add_argument("--separate", action="store_true", help=argparse.SUPPRESS)  # always so now
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--agents-of", help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--token-file", help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.agents_of:
+        return agents_main(a)
 
     tmp = Path(tempfile.mkdtemp(prefix="cryo-coord-bench-"))
     token = secrets.token_hex(16)
     (tmp / "token").write_text(token)
-    proc: subprocess.Popen[str] | None = None
-    srv: service.Server | None = None
-    if a.separate:
-        proc = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "coordinator", "serve", "--listen",
-                                 "127.0.0.1:0", "--db", str(tmp / "catalog.db"), "--token-file", str(tmp / "token"),
-                                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                env={**os.environ, "CRYOSLEEP_HOME": str(tmp)})
-        assert proc.stdout is not None
-        head = proc.stdout.readline() + proc.stdout.readline() + proc.stdout.readline() + proc.stdout.readline()
-        url = json.loads(head)["listening"]
-    else:
-        srv, _ = service.start("127.0.0.1:0", tmp / "catalog.db", token, log=lambda _m: None)
-        url = srv.url
+    env = {**os.environ, "CRYOSLEEP_HOME": str(tmp)}
+    if a.coordinator_src:
+        env["PYTHONPATH"] = str(Path(a.coordinator_src).resolve())
+    run = [sys.executable, str(Path(__file__).with_name("profile_sampler.py")), a.profile] if a.profile else \
+        [sys.executable, "-m"]
+    coord = subprocess.Popen([*run, "cryosleep.cli.main", "coordinator", "serve", "--listen",
+                              "127.0.0.1:0", "--db", str(tmp / "catalog.db"), "--token-file", str(tmp / "token"),
+                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    assert coord.stdout is not None
+    head = coord.stdout.readline() + coord.stdout.readline() + coord.stdout.readline() + coord.stdout.readline()
+    url = json.loads(head)["listening"]
     client = CoordinatorClient(url, token, timeout=600)
     t0 = time.monotonic()
-    cluster = SimCluster(url, token, tmp / "store", job="scale", nnodes=a.nodes, nproc=a.nproc, spread=a.spread,
-                         seed=1).start(timeout=300)
-    reg_s = time.monotonic() - t0
+    procs: list[subprocess.Popen[str]] = []
+    per = -(-a.nodes // max(1, a.agent_procs))
+    for lo in range(0, a.nodes, per):
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--agents-of", f"{lo}:{min(a.nodes, lo + per)}", "--url", url, "--token-file",
+             str(tmp / "token"), "--store", str(tmp / "store"), "--nodes", str(a.nodes), "--nproc", str(a.nproc),
+             "--spread", str(a.spread)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     results: list[dict[str, Any]] = []
     try:
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise SystemExit("a process of simulated agents failed to start")
+        reg_s = time.monotonic() - t0
+        time.sleep(1.0)  # let the registrations' first polls settle
         for i in range(a.reps + 1):
             stop = i == a.reps
-            t = time.monotonic()
+            m0, c0, t = scrape(url, token), proc_cpu(coord.pid), time.monotonic()
             s = client.snapshot("scale", stop=stop, timeout_s=300)
-            wall = time.monotonic() - t
+            wall, c1, m1 = time.monotonic() - t, proc_cpu(coord.pid), scrape(url, token)
             if s["state"] != "verified":
                 raise SystemExit(f"snapshot failed: {json.dumps(s.get('error'), indent=2)}")
-            check_cut(cluster, s["id"])
-            results.append({"mode": s["mode"], "phases": s["phases"], "rounds": rounds(client, s["id"]),
-                            "wall_s": round(wall, 4)})
+            check_cut(tmp / "store", s["id"], a.nproc)
+            run: dict[str, Any] = {"mode": s["mode"], "phases": s["phases"], "rounds": rounds(client, s["id"]),
+                                   "wall_s": round(wall, 4), "cpu_s": round(c1[0] + c1[1] - c0[0] - c0[1], 3),
+                                   "sys_s": round(c1[1] - c0[1], 3)}
+            if m0 is not None and m1 is not None:
+                run["phase_cpu"] = {k[4:]: round(v - m0.get(k, 0.0), 4) for k, v in m1.items() if k.startswith("cpu:")}
+                dn = m1.get("count:net_hold", 0.0) - m0.get("count:net_hold", 0.0)
+                if dn:
+                    run["fanout_s"] = round((m1["sum:net_hold"] - m0.get("sum:net_hold", 0.0)) / dn, 4)
+            results.append(run)
     finally:
-        cluster.close()
-        if srv is not None:
-            service.shutdown(srv)
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        coord.terminate()
+        coord.wait(30)
 
     ranks = a.nodes * a.nproc
     keep = [r for r in results if r["mode"] == "keep-running"]
-    summary: dict[str, Any] = {"nodes": a.nodes, "ranks": ranks, "coordinator": "own process" if a.separate else
-                               "same process as the agents", "register_all_s": round(reg_s, 3), "runs": results,
-                               "median": {p: round(statistics.median(r["phases"].get(p, 0.0) for r in keep), 4)
-                                          for p in PHASES},
-                               "median_rounds": statistics.median(r["rounds"] for r in keep),
-                               "median_wall_s": round(statistics.median(r["wall_s"] for r in keep), 4),
-                               "python": platform.python_version(), "cpus": os.cpu_count()}
+
+    def med(xs: list[float]) -> float:
+        return round(statistics.median(xs), 4) if xs else 0.0
+
+    summary: dict[str, Any] = {
+        "nodes": a.nodes, "ranks": ranks, "agent_procs": len(procs), "register_all_s": round(reg_s, 3),
+        "runs": results, "median": {p: med([r["phases"].get(p, 0.0) for r in keep]) for p in PHASES},
+        "median_cpu": {p: med([r["phase_cpu"].get(p, 0.0) for r in keep if "phase_cpu" in r]) for p in PHASES},
+        "median_rounds": statistics.median(r["rounds"] for r in keep),
+        "median_wall_s": med([r["wall_s"] for r in keep]), "median_cpu_s": med([r["cpu_s"] for r in keep]),
+        "median_fanout_s": med([r["fanout_s"] for r in keep if "fanout_s" in r]),
+        "python": platform.python_version(), "cpus": os.cpu_count()}
     if a.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"{ranks} ranks in {a.nodes} simulated nodes; coordinator in {summary['coordinator']}; "
-          f"all agents registered in {reg_s:.2f} s")
-    print("run  mode          rounds  " + "  ".join(f"{p:>8}" for p in PHASES) + "     stop     total")
+    print(f"{ranks} ranks in {a.nodes} simulated nodes over {len(procs)} agent processes; coordinator in its own "
+          f"process; all agents registered in {reg_s:.2f} s")
+    print("run  mode          rounds  " + "  ".join(f"{p:>8}" for p in PHASES) + "     stop     total   coord-cpu")
     for i, r in enumerate(results):
         ph = r["phases"]
         print(f"{i:>3}  {r['mode']:<12}  {r['rounds']:>6}  " + "  ".join(f"{ph.get(p, 0.0):8.3f}" for p in PHASES)
-              + f"  {ph.get('stop', 0.0):7.3f}  {r['wall_s']:8.3f}")
-    med = summary["median"]
-    print(f"median keep-running: cut (drain) {med['drain']:.3f} s in {summary['median_rounds']} rounds, capture "
-          f"round (quiesce+capture) {med['quiesce'] + med['capture']:.3f} s, total {summary['median_wall_s']:.3f} s")
+              + f"  {ph.get('stop', 0.0):7.3f}  {r['wall_s']:8.3f}  {r['cpu_s']:10.3f} (system {r['sys_s']:.3f})")
+        if "phase_cpu" in r:
+            pc = r["phase_cpu"]
+            print("     coordinator CPU       " + "  ".join(f"{pc.get(p, 0.0):8.3f}" for p in PHASES))
+    md, mc = summary["median"], summary["median_cpu"]
+    print(f"median keep-running: cut (drain) {md['drain']:.3f} s in {summary['median_rounds']} rounds, capture round "
+          f"(quiesce+capture) {md['quiesce'] + md['capture']:.3f} s, total {summary['median_wall_s']:.3f} s; "
+          f"coordinator CPU: cut {mc['drain']:.3f} s, capture round {mc['quiesce'] + mc['capture']:.3f} s, whole "
+          f"snapshot {summary['median_cpu_s']:.3f} s; fan-out to {a.nodes} agents {summary['median_fanout_s']:.3f} s")
     return 0
 
 

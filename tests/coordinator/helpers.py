@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cryosleep.coordinator import service
 from cryosleep.coordinator.client import CoordinatorClient
-from cryosleep.coordinator.sim import SimCluster
+from tests.coordinator.sim import SimCluster
 
 FAST = service.ServiceConfig(poll_wait_s=2.0, lost_after_s=1.0, rollback_s=15.0, redeliver_s=0.5,
                              default_timeout_s=20.0)
@@ -39,6 +41,22 @@ class Env:
         c = SimCluster(self.url, self.token, self.tmp / "store", **kw).start()
         self.clusters.append(c)
         return c
+
+
+@contextmanager
+def serving(tmp: Path, cfg: service.ServiceConfig = FAST) -> Iterator[Env]:
+    """A real coordinator on 127.0.0.1 (SQLite in ``tmp``), closed with its simulated clusters at the end."""
+    token = secrets.token_hex(16)
+    (tmp / "token").write_text(token)
+    srv, _ = service.start("127.0.0.1:0", tmp / "catalog.db", token, cfg, log=lambda _m: None)
+    e = Env(tmp, token, srv)
+    try:
+        yield e
+    finally:
+        for c in e.clusters:
+            c.close()
+        service.shutdown(srv)
+        srv.coordinator.catalog.close()
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

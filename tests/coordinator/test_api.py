@@ -7,6 +7,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,16 +19,19 @@ from cryosleep.coordinator.protocol import (
     Command,
     Op,
     Result,
+    slot_from_json,
+    slot_to_json,
     targets_from_json,
     targets_to_json,
     view_from_json,
     view_to_json,
+    views_from_json,
 )
-from cryosleep.coordinator.sim import SimFaults
 from cryosleep.core.interceptor import CommSlot
 from cryosleep.cut.rules import CommTarget, RankView
-from cryosleep.errors import Busy, Unauthorized
+from cryosleep.errors import Busy, ProtocolError, Unauthorized
 from tests.coordinator.helpers import Env, wait_for
+from tests.coordinator.sim import SimFaults
 
 
 def raw(env: Env, path: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, dict[str, object]]:
@@ -136,6 +140,19 @@ def test_wire_encoding_round_trips() -> None:
                  recv_target=(1, 0, 0, 0))
     v = RankView(rank=9, comms=(s,), held=1, busy=0, in_group=0, targets_gen=4, settled_gen=4, settled=False)
     assert view_from_json(json.loads(json.dumps(view_to_json(v)))) == v
+    # protocol 1's named slots are still read
+    named = {"index": 2, "state": 1, "vid": 3, "ident": "fedcba9876543210", "rank": 1, "nranks": 4, "parent_vid": 0,
+             "color": 0, "key": 0, "rebuild": 1, "flags": 0, "device": -1, "seq": 17, "coll_target": 17, "uid_gen": 0,
+             "waiting": 1, "waiting_kind": 2, "waiting_peer": 3, "peers": 4, "send": {"2": 5, "3": 7},
+             "recv": {"0": 1}, "send_target": {"2": 5, "3": 8}, "recv_target": {"0": 1}}
+    assert slot_from_json(named) == s
+    wire = view_to_json(v)["comms"][0]
+    assert len(wire) == 23 and len(slot_to_json(replace(s, recv_target=(0,) * 4, send_target=(0,) * 4))) == 21
+    bad_slots = ([*wire[:5], "x", *wire[6:]], wire[:10], [*wire[:18], 65], [*wire[:19], [1, 2]],
+                 [*wire[:1], None, *wire[2:]])
+    for bad in bad_slots:
+        with pytest.raises(ProtocolError):
+            views_from_json({"views": [{"rank": 0, "comms": [bad]}]})
     t = {0xFEDCBA9876543210: CommTarget(17, {(1, 3): 8, (0, 1): 1})}
     assert targets_from_json(json.loads(json.dumps(targets_to_json(t)))) == t
     cmd = Command("a.1.hold", "a", "j", Op.HOLD, 3.5, 1.0, {"gen": 8})

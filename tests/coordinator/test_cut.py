@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from cryosleep.coordinator.sim import GLOBAL, node_ident
 from cryosleep.errors import NotEligible
 from tests.coordinator.helpers import Env, images
+from tests.coordinator.sim import GLOBAL, node_ident
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -42,6 +42,18 @@ def test_cut_converges_across_nodes_with_ranks_behind(env: Env, seed: int) -> No
                                           "persist"]
     ev = env.client().snapshot_detail(s["id"])["events"]
     assert any(e["kind"] == "cut" and "round" in e["message"] for e in ev)
+
+
+def test_without_a_job_network_the_capture_holds_none(env: Env) -> None:
+    """No node has a job network (its prepare answer says so): the keep-running capture skips net_hold and
+    net_release, two rounds fewer; the cut is as consistent."""
+    c = env.cluster(nnodes=2, nproc=2, seed=4, net=False)
+    s = env.client().snapshot("sim", timeout_s=20)
+    assert s["state"] == "verified", s.get("error")
+    for n in c.nodes:
+        assert n.ops_of(s["id"])[-6:] == ["quiesce", "capture", "resume", "relay", "run", "persist"]
+    cut = c.cut_counters(s["id"])
+    assert sorted(cut) == [0, 1, 2, 3] and len({seq[f"{GLOBAL:016x}"] for seq in cut.values()}) == 1, cut
 
 
 def test_cut_is_computed_over_every_rank_of_every_node(env: Env) -> None:

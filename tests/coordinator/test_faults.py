@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from cryosleep.coordinator.sim import SimCluster, SimFaults
 from tests.coordinator.helpers import FAST, Env, images, wait_for
+from tests.coordinator.sim import SimCluster, SimFaults
 
 PHASES = ["prepare", "drain", "quiesce", "capture", "persist"]
 

@@ -15,8 +15,8 @@ import pytest
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.client import CoordinatorClient
-from cryosleep.coordinator.sim import SimCluster, SimFaults
 from tests.coordinator.helpers import images, wait_for
+from tests.coordinator.sim import SimCluster, SimFaults
 
 
 def serve(tmp: Path, listen: str) -> tuple[subprocess.Popen[str], str]:

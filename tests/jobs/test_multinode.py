@@ -155,7 +155,10 @@ def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHa
         stop = ha.coordinator("snapshot", "mn", "--stop")
         assert stop["state"] == "verified", stop.get("error")
         assert ha.wait_end("mn.node0", 120) == 75 and ha.wait_end("mn.node1", 120) == 75
-        assert ha.coordinator("job", "mn")["state"] == "suspended"
+        suspended = ha.coordinator("job", "mn")
+        assert suspended["state"] == "suspended"
+        # each agent said why it went (as it exited): not an agent lost after --lost-after without a poll
+        assert all(str(n["left"]).startswith("suspended in snapshot ") for n in suspended["nodes"]), suspended
         image0 = stop["nodes"][0]["image"]["ref"]
         manifest = ha.cli_json("show", image0)
         assert manifest["job"]["net"]["address"] == net.address and manifest["job"]["net"]["bridge"] == net.bridge
@@ -177,6 +180,11 @@ def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHa
             ("hostB", [UNDERLAY[0]], "mn.node0"), ("hostA", [UNDERLAY[1]], "mn.node1")], placed
         assert ha.coordinator("job", "mn")["state"] in ("running", "lost", "incomplete")
         assert ha.wait_end("mn.node0", 120) == 0 and ha.wait_end("mn.node1", 120) == 0
+        # a snapshot of the job that ended is refused at once, saying so (an earlier, 50-step version of this test
+        # ended its job just before the stop snapshot, which then failed: "its agent was lost (no poll for 3.0 s)")
+        refused = ha.cli("coordinator", "snapshot", "mn", "--json", check=False)
+        assert refused.returncode != 0 and refused.stdout.count("its job ended on this node (exit code 0)") == 2, (
+            refused.stdout + refused.stderr)
         ref = reference(workload("ddp_basic"), ARGS, nproc=4)
         assert_identical(ha, ref)
 

@@ -499,7 +499,8 @@ class Agent:
             t.join(timeout=120)
         if self.runner is not None:  # the answer to the coordinator's stop, delivered before the agent goes
             self.runner.flush(30)
-            self.runner.halt()
+            self.runner.leave(f"suspended in snapshot {self.suspended_in}" if self.suspended_in
+                              else f"its job ended on this node (exit code {code})")
         self.watchdog.close()
         if self.persister is not None and self.persister.pending():  # uploads of earlier snapshots finish
             self.log_line(f"waiting for {self.persister.pending()} snapshot upload(s) to {self.persister.url}")

@@ -261,7 +261,8 @@ class CoordinatedNode:
                 raise
             raise err from e
         return {"ranks": agent.spec.ranks, "gen": self.nccl.gen if self.nccl is not None else 0,
-                "facts": capture_snapshot.host_facts(self.cap.criu, agent.runtime)}
+                "facts": capture_snapshot.host_facts(self.cap.criu, agent.runtime),
+                "net": bool(agent.spec.net)}  # a job network to hold while the nodes are dumped
 
     def hold(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._hold, cmd)

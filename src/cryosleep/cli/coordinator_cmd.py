@@ -121,7 +121,10 @@ def cmd_job(a: argparse.Namespace) -> int:
         return 0
     print(f"job {j['job']}: {j['state']}, {j['nnodes']} node(s), {j['ranks']} rank(s), last snapshot "
           f"{j['last_snapshot'] or '-'}")
-    rows = [[n["node_rank"], n["hostname"], n["address"], len(n["ranks"]), "yes" if n["alive"] else "LOST",
+    def alive(n: dict[str, Any]) -> str:
+        return "yes" if n["alive"] else f"left: {n['left']}" if n.get("left") else "LOST"
+
+    rows = [[n["node_rank"], n["hostname"], n["address"], len(n["ranks"]), alive(n),
              "-" if n["last_seen_s"] is None else f"{n['last_seen_s']:.1f} s"] for n in j["nodes"]]
     print(table(["node", "host", "address", "ranks", "alive", "last poll"], rows))
     return 0

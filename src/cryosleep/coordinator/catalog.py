@@ -255,6 +255,18 @@ class Catalog:
                 c.execute("UPDATE snapshot_nodes SET image = ? WHERE snapshot = ? AND node_rank = ?",
                           (_j(image), sid, node_rank))
 
+    def update_nodes(self, sid: str, nodes: dict[int, tuple[dict[str, float], dict[str, Any] | None]]) -> None:
+        """Every node's phases and image (where it has one) in one transaction: node rank -> (phases, image)."""
+        with self.tx() as c:
+            c.executemany("UPDATE snapshot_nodes SET phases = ?, image = COALESCE(?, image) "
+                          "WHERE snapshot = ? AND node_rank = ?",
+                          [(_j(ph), None if img is None else _j(img), sid, n) for n, (ph, img) in nodes.items()])
+
+    def update_node_states(self, sid: str, states: dict[int, str]) -> None:
+        with self.tx() as c:
+            c.executemany("UPDATE snapshot_nodes SET state = ? WHERE snapshot = ? AND node_rank = ?",
+                          [(st, sid, n) for n, st in states.items()])
+
     def mark_verified(self, sid: str, job: str, *, ponr: bool, phases: dict[str, float]) -> None:
         """The snapshot is valid: every node's image persisted and verified. For a stop snapshot this is its
         point of no return, written before any node is told to end its workers."""

@@ -306,6 +306,21 @@ class AgentRunner:
         self.poll_http.abort()
         self.post_http.abort()
 
+    def leave(self, reason: str, timeout: float = 5.0) -> None:
+        """Tells the coordinator this agent goes (its job ended on this node), then halts: a snapshot asked
+        meanwhile fails at once with ``reason``, not after ``lost_after_s`` without a poll. Bounded, best effort
+        (a coordinator that is away counts the agent lost as before). Call ``flush`` first."""
+        self._halt.set()  # no new poll, no registration again
+        agent_id = self.agent_id
+        if agent_id is not None:
+            try:
+                with self.post_lock:
+                    self.post_http.call("POST", f"/v1/agents/{quote(agent_id, safe='')}/leave",
+                                        {"incarnation": self.reg.incarnation, "reason": reason}, timeout=timeout)
+            except CryosleepError as e:
+                self.log(f"coordinator: could not say this agent leaves ({e.what}: {e.why})")
+        self.halt()
+
     def flush(self, timeout: float) -> bool:
         """Waits (bounded) until every command started has finished and its result was delivered: before the
         agent exits after a stop. Returns False when something was still outstanding."""

@@ -16,6 +16,7 @@ from typing import Any
 from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
+from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.placement import Placements
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
 from cryosleep.coordinator.rendezvous import Board
@@ -46,7 +47,9 @@ class Coordinator:
         self.catalog = catalog
         self.cfg = cfg or ServiceConfig()
         self.log: Callable[[str], None] = log or _stderr_log
-        self.hub = Hub(self.cfg.redeliver_s)
+        # a held poll looks at its connection a few times per lost_after_s (every 0.5 s wake-up of 2,048 held
+        # polls was 4,096 acquisitions of the hub's lock a second)
+        self.hub = Hub(self.cfg.redeliver_s, gone_check_s=max(0.5, self.cfg.lost_after_s / 4))
         self.board = Board()  # multi-node restores meet here (coordinator/rendezvous.py)
         self.placements = Placements()  # host daemons, and snapshots placed on them (coordinator/placement.py)
         self.lock = threading.Lock()
@@ -54,6 +57,9 @@ class Coordinator:
         self.threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.machine_cfg = MachineConfig(lost_after_s=self.cfg.lost_after_s, rollback_s=self.cfg.rollback_s)
+        self.metrics = CoordinatorMetrics()
+        self.metrics.in_flight.set_function(lambda: float(len(self.active)))
+        self.metrics.watch_hub(lambda: self.hub.stats(self.cfg.lost_after_s))
         self._recover()
         t = threading.Thread(target=self._flush_heartbeats, name="heartbeats", daemon=True)
         t.start()
@@ -70,7 +76,8 @@ class Coordinator:
             nodes = {int(n["node_rank"]): str(n["agent"]) for n in row["nodes"]}
             incs = {str(n["agent"]): str(n.get("incarnation") or "") for n in row["nodes"]}
             run = RecoveryRun(self.catalog, self.hub, sid=sid, job=job, mode=Mode(row["mode"]), timeout_s=0.0,
-                              nodes=nodes, incarnations=incs, cfg=self.machine_cfg, log=self.log, snapshot=row)
+                              nodes=nodes, incarnations=incs, cfg=self.machine_cfg, log=self.log, snapshot=row,
+                              metrics=self.metrics)
             with self.lock:
                 self.active[job] = run
             self._spawn(f"recover-{sid}", functools.partial(self._finish, job, run, run.recover))
@@ -82,14 +89,18 @@ class Coordinator:
         return t
 
     def _finish(self, job: str, run: SnapshotRun, fn: Callable[[], Any]) -> None:
+        outcome = "error"
         try:
             fn()
+            outcome = str(self.catalog.snapshot(run.sid)["state"])
         except Exception as e:  # never leave a job marked busy because of a bug
             self.log(f"snapshot {run.sid}: {type(e).__name__}: {e}")
         finally:
+            self.metrics.snapshots.labels(str(run.mode), outcome).inc()
             with self.lock:
                 if self.active.get(job) is run:
                     del self.active[job]
+            run.finished.set()
 
     def _flush_heartbeats(self) -> None:
         while not self._stop.wait(2.0):
@@ -148,13 +159,21 @@ class Coordinator:
 
     def poll(self, agent_id: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         inc = str(body.get("incarnation", ""))
-        if body.get("results"):
-            self.results(agent_id, body)
+        results = [Result.from_json(r) for r in body.get("results") or ()]
         wait = min(max(0.0, float(body.get("wait_s", self.cfg.poll_wait_s))), self.cfg.poll_wait_s)
-        cmds = self.hub.take(agent_id, inc, wait, gone)
+        cmds = self.hub.take(agent_id, inc, wait, gone, results)
         if cmds is None:
             raise self._unknown_agent(agent_id)
         return {"commands": [c.to_json() for c in cmds]}
+
+    def leave(self, agent_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The agent goes (its job ended on its node): counted out at once, with its reason."""
+        reason = str(body.get("reason") or "its agent left")[:500]
+        line = self.hub.line(agent_id)
+        if line is None or not self.hub.leave(agent_id, str(body.get("incarnation", "")), reason):
+            raise self._unknown_agent(agent_id)
+        self.catalog.event("agent", f"node {line.node_rank} left: {reason}", job=line.job, node_rank=line.node_rank)
+        return {"left": True}
 
     def results(self, agent_id: str, body: dict[str, Any]) -> dict[str, Any]:
         inc = str(body.get("incarnation", ""))
@@ -174,6 +193,7 @@ class Coordinator:
             out.append({"node_rank": a["node_rank"], "agent": a["id"], "hostname": a["hostname"],
                         "address": a["address"], "ranks": a["ranks"], "registered_at": a["registered_at"],
                         "connected": age is not None, "alive": self.hub.alive(a["id"], self.cfg.lost_after_s),
+                        "left": self.hub.left(a["id"]),
                         "last_seen_s": None if age is None else round(age, 3)})
         return out
 
@@ -211,15 +231,20 @@ class Coordinator:
                            "wait for it to finish (`cryosleep coordinator snapshots JOB`), then try again")
             nodes = {int(n["node_rank"]): str(n["agent"]) for n in status["nodes"]}
             missing = sorted(set(range(status["nnodes"])) - set(nodes))
-            lost = [n["node_rank"] for n in status["nodes"] if not n["alive"]]
-            if missing or lost:
+            lost = [n["node_rank"] for n in status["nodes"] if not n["alive"] and not n["left"]]
+            left = [f"node {n['node_rank']}: {n['left']}" for n in status["nodes"] if n["left"]]
+            if missing or lost or left:
                 why = []
                 if missing:
                     why.append(f"node(s) {missing} never registered")
                 if lost:
                     why.append(f"the agents of node(s) {lost} are lost (no poll for {self.cfg.lost_after_s:g} s)")
-                raise NotEligible(f"job {job!r} cannot be snapshotted now", "; ".join(why),
-                                  "start the missing node agents (or wait for them to reconnect), then try again")
+                if left:
+                    why.append("the agents left (" + "; ".join(left) + ")")
+                hint = "start the missing node agents (or wait for them to reconnect), then try again"
+                if left and not (missing or lost):
+                    hint = "the job ended on those nodes: restore one of its snapshots to run it again"
+                raise NotEligible(f"job {job!r} cannot be snapshotted now", "; ".join(why), hint)
             if status["state"] == "suspended":
                 raise NotEligible(f"job {job!r} is suspended", f"in snapshot {status['last_snapshot']}",
                                   "restore it first")
@@ -227,7 +252,7 @@ class Coordinator:
             incs = {a: self.hub.incarnation(a) or "" for a in nodes.values()}
             self.catalog.create_snapshot(sid, job, str(m), timeout, request_id, nodes, incs)
             run = SnapshotRun(self.catalog, self.hub, sid=sid, job=job, mode=m, timeout_s=timeout, nodes=nodes,
-                              incarnations=incs, cfg=self.machine_cfg, log=self.log)
+                              incarnations=incs, cfg=self.machine_cfg, log=self.log, metrics=self.metrics)
             self.active[job] = run
         self.catalog.event("trigger", f"{m} snapshot requested (timeout {timeout:g} s)", job=job, snapshot=sid)
         self._spawn(f"snapshot-{sid}", lambda: self._finish(job, run, run.run))
@@ -236,8 +261,13 @@ class Coordinator:
         return self.catalog.snapshot(sid)
 
     def wait_snapshot(self, sid: str, timeout: float) -> dict[str, Any]:
+        """Waits on the run's end (not by re-reading the catalog: a snapshot of 2,048 nodes has 2,048 rows)."""
         end = time.monotonic() + timeout
         while True:
+            with self.lock:
+                run = next((r for r in self.active.values() if r.sid == sid), None)
+            if run is not None:
+                run.finished.wait(max(0.0, end - time.monotonic()))
             row = self.catalog.snapshot(sid)
             done = row["state"] in FINAL and (row["ponr_at"] is None or row["finished_at"] is not None)
             with self.lock:

@@ -3,7 +3,8 @@
 Each registered agent (one incarnation of it) has an outbox of commands not yet answered. A long poll takes
 the commands that are due (never delivered, or delivered ``redeliver_s`` ago without an answer: at least
 once); a result removes its command and wakes whoever waits for it. An agent is alive while it has a poll
-open, or polled within ``lost_after_s``. Everything here is guarded by one lock; each agent has its own
+open, or polled within ``lost_after_s``; one that said it leaves (``leave``: its job ended on its node, so the
+agent exits) is not, from that moment, and says why. Everything here is guarded by one lock; each agent has its own
 condition so that a result or a command wakes only the threads concerned (128 pollers do not all wake for
 each of 128 results).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,16 +48,20 @@ class AgentLine:
     last_seen: float = 0.0
     polling: int = 0
     replaced: bool = False
+    left: str | None = None  # why the agent left (its job ended there), or None
 
 
 class Hub:
-    def __init__(self, redeliver_s: float = REDELIVER_S) -> None:
+    def __init__(self, redeliver_s: float = REDELIVER_S, gone_check_s: float = 0.5) -> None:
         self.lock = threading.RLock()
         self.results_cond = threading.Condition(self.lock)
         self.lines: dict[str, AgentLine] = {}
         self.results: dict[tuple[str, str], Result] = {}
+        self.arrivals: dict[str, list[tuple[str, Result]]] = {}  # command id -> (agent, result), arrival order
         self.redeliver_s = redeliver_s
+        self.gone_check_s = gone_check_s  # how often a held poll checks that its client is still connected
         self.seen_wall: dict[str, float] = {}  # heartbeats not yet written to the catalog
+        self.expected: dict[str, int] = {}  # command id -> answers its round waits for (send_round)
         self.closed = False
 
     def attach(self, agent_id: str, job: str, node_rank: int, incarnation: str) -> None:
@@ -66,6 +71,7 @@ class Hub:
             old = self.lines.get(agent_id)
             if old is not None and old.incarnation == incarnation:
                 old.last_seen = time.monotonic()
+                old.left = None  # registered again after leaving: it is here
                 return
             if old is not None:
                 old.replaced = True
@@ -86,9 +92,28 @@ class Hub:
     def alive(self, agent_id: str, lost_after_s: float, now: float | None = None) -> bool:
         with self.lock:
             a = self.lines.get(agent_id)
-            if a is None:
+            if a is None or a.left is not None:
                 return False
             return a.polling > 0 or (now or time.monotonic()) - a.last_seen < lost_after_s
+
+    def left(self, agent_id: str) -> str | None:
+        """Why the registered agent left (its job ended on its node), or None while it has not."""
+        with self.lock:
+            a = self.lines.get(agent_id)
+            return a.left if a is not None else None
+
+    def leave(self, agent_id: str, incarnation: str, reason: str) -> bool:
+        """The agent says it goes (its job ended on its node): from now on it is not alive, with ``reason``
+        instead of an agent lost after ``lost_after_s`` of silence, and a snapshot waiting on it fails at once.
+        False: this incarnation is not the registered one."""
+        with self.lock:
+            a = self.lines.get(agent_id)
+            if a is None or a.incarnation != incarnation:
+                return False
+            a.left = reason or "its agent left"
+            a.cond.notify_all()
+            self.results_cond.notify_all()
+            return True
 
     def last_seen_age(self, agent_id: str) -> float | None:
         with self.lock:
@@ -108,20 +133,42 @@ class Hub:
             a.outbox[cmd_id] = Pending(cmd_id, snapshot, job, op, args, deadline)
             a.cond.notify_all()
 
+    def send_round(self, cmd_id: str, snapshot: str, job: str, op: Op, args: Mapping[str, dict[str, Any]],
+                   deadline: float) -> None:
+        """``send`` to every agent of ``args`` (agent -> its arguments) under one lock acquisition, and wake
+        the round's waiter (``wait_arrivals``) only once every one of them answered, or at a failure, a replaced
+        or departed agent: with 2,048 agents, one wake-up per answer was 2,048 lock round trips a round."""
+        with self.lock:
+            self.expected[cmd_id] = len(args)
+            for agent_id, a in args.items():
+                self.send(agent_id, cmd_id, snapshot, job, op, a, deadline)
+
+    def end_round(self, cmd_id: str, unanswered: Iterable[str]) -> None:
+        """The round's waiter is done: the commands still unanswered are cancelled (one lock acquisition)."""
+        with self.lock:
+            self.expected.pop(cmd_id, None)
+            for agent_id in unanswered:
+                self.cancel(agent_id, cmd_id)
+
     def cancel(self, agent_id: str, cmd_id: str) -> None:
         with self.lock:
             a = self.lines.get(agent_id)
             if a is not None:
                 a.outbox.pop(cmd_id, None)
 
-    def take(self, agent_id: str, incarnation: str, wait_s: float,
-             gone: Callable[[], bool] = lambda: False) -> list[Command] | None:
-        """A long poll: the commands due for this agent, or [] after ``wait_s``; None when this incarnation is
-        not (or no longer) the registered one (the agent must register again)."""
+    def take(self, agent_id: str, incarnation: str, wait_s: float, gone: Callable[[], bool] = lambda: False,
+             results: Sequence[Result] = ()) -> list[Command] | None:
+        """A long poll: records the ``results`` it carries, then returns the commands due for this agent, or []
+        after ``wait_s``; None when this incarnation is not (or no longer) the registered one (the agent must
+        register again). One lock acquisition for the results and the commands: with thousands of agents polling,
+        the lock is what they contend for. A held poll wakes every ``gone_check_s`` to check, outside the lock,
+        that its client is still connected."""
         with self.lock:
             a = self.lines.get(agent_id)
-            if a is None or a.incarnation != incarnation:
-                return None
+            if a is None or a.incarnation != incarnation or a.left is not None:
+                return None  # a poll after leaving: it registers again to be counted alive
+            for res in results:
+                self._put(a, res)
             a.polling += 1
             try:
                 end = time.monotonic() + wait_s
@@ -129,7 +176,7 @@ class Hub:
                     now = time.monotonic()
                     a.last_seen = now
                     self.seen_wall[agent_id] = time.time()
-                    if a.replaced or self.closed:
+                    if a.replaced or self.closed or a.left is not None:
                         return None if a.replaced else []
                     due = [p for p in a.outbox.values()
                            if p.delivered is None or now - p.delivered >= self.redeliver_s]
@@ -140,41 +187,51 @@ class Hub:
                     left = end - now
                     if left <= 0:
                         return []
-                    a.cond.wait(min(left, 0.5, self.redeliver_s))
-                    if gone():
+                    if a.cond.wait(min(left, self.gone_check_s, self.redeliver_s)):
+                        continue  # woken: a command or a change, no need to look at the connection
+                    self.lock.release()  # a select() on the socket: not while every other poll waits for the lock
+                    try:
+                        lost = gone()
+                    finally:
+                        self.lock.acquire()
+                    if lost:
                         return []
             finally:
                 a.polling -= 1
                 a.last_seen = time.monotonic()
 
+    def _put(self, a: AgentLine, res: Result) -> None:
+        a.last_seen = time.monotonic()
+        if a.outbox.pop(res.id, None) is None:
+            return  # a repeat, or an answer to a command given up on: nobody waits for it
+        self.results[(a.agent_id, res.id)] = res
+        got = self.arrivals.setdefault(res.id, [])
+        got.append((a.agent_id, res))
+        if not res.ok or len(got) >= self.expected.get(res.id, 0):
+            self.results_cond.notify_all()
+
     def put_result(self, agent_id: str, incarnation: str, res: Result) -> bool:
         """Records the answer to a queued command; the first one for a command id wins, repeats and answers to
-        cancelled commands are ignored. False: this incarnation
-        is not the registered one (its answer is about work a restarted agent no longer has)."""
+        cancelled commands are ignored. False: this incarnation is not the registered one (its answer is about
+        work a restarted agent no longer has)."""
         with self.lock:
             a = self.lines.get(agent_id)
             if a is None or a.incarnation != incarnation:
                 return False
-            a.last_seen = time.monotonic()
-            if a.outbox.pop(res.id, None) is None:
-                return True  # a repeat, or an answer to a command given up on: nobody waits for it
-            self.results[(agent_id, res.id)] = res
-            self.results_cond.notify_all()
+            self._put(a, res)
             return True
 
     def result(self, agent_id: str, cmd_id: str) -> Result | None:
         with self.lock:
             return self.results.get((agent_id, cmd_id))
 
-    def collect(self, wanted: Mapping[str, str]) -> dict[str, Result]:
-        """The results already in for (agent -> command id), under one lock acquisition."""
+    def arrived(self, cmd_id: str, seen: int) -> list[tuple[str, Result]]:
+        """The results for ``cmd_id`` (agent, result), in arrival order, from the ``seen``-th on: a waiter takes
+        only what is new at each wake-up (with 2,048 nodes, re-reading every node's slot at every result would be
+        quadratic)."""
         with self.lock:
-            out = {}
-            for a, c in wanted.items():
-                r = self.results.get((a, c))
-                if r is not None:
-                    out[a] = r
-            return out
+            got = self.arrivals.get(cmd_id)
+            return got[seen:] if got else []
 
     def health(self, agents: list[str], lost_after_s: float) -> dict[str, tuple[str | None, bool, float | None]]:
         """Per agent: (registered incarnation, alive, seconds since its last poll), under one lock acquisition."""
@@ -187,14 +244,25 @@ class Hub:
                     out[a] = (None, False, None)
                 else:
                     age = 0.0 if line.polling else now - line.last_seen
-                    out[a] = (line.incarnation, line.polling > 0 or age < lost_after_s, age)
+                    alive = line.left is None and (line.polling > 0 or age < lost_after_s)
+                    out[a] = (line.incarnation, alive, age)
             return out
+
+    def stats(self, lost_after_s: float) -> tuple[int, int, int, int]:
+        """(agents registered, alive, polls open, commands queued and not answered), for the metrics."""
+        now = time.monotonic()
+        with self.lock:
+            lines = [a for a in self.lines.values() if not a.replaced]
+            alive = sum(1 for a in lines if a.left is None and (a.polling > 0 or now - a.last_seen < lost_after_s))
+            return (len(lines), alive, sum(a.polling for a in lines), sum(len(a.outbox) for a in lines))
 
     def forget(self, snapshot: str) -> None:
         """Drops a finished snapshot's results and queued commands."""
         with self.lock:
             for key in [k for k, r in self.results.items() if r.snapshot == snapshot]:
                 del self.results[key]
+            for cid in [c for c, got in self.arrivals.items() if got[0][1].snapshot == snapshot]:
+                del self.arrivals[cid]
             for a in self.lines.values():
                 for cid in [c for c, p in a.outbox.items() if p.snapshot == snapshot]:
                     del a.outbox[cid]
@@ -204,11 +272,12 @@ class Hub:
             out, self.seen_wall = self.seen_wall, {}
             return out
 
-    def wait_results(self, wanted: Mapping[str, str], until: float) -> None:
-        """Waits (at most until ``until``, monotonic, and 0.2 s at a time) for a change: a result, an agent
-        replaced. The caller re-checks what it waits for."""
+    def wait_arrivals(self, cmd_id: str, seen: int, until: float) -> None:
+        """Waits (at most until ``until``, monotonic, and 0.2 s at a time) for a change: for a round sent with
+        ``send_round``, every answer in or a failed one; else any result for ``cmd_id`` beyond the ``seen`` ones;
+        an agent replaced or gone. The caller re-checks what it waits for."""
         with self.lock:
-            if all((a, c) in self.results for a, c in wanted.items()):
+            if len(self.arrivals.get(cmd_id, ())) > seen:
                 return
             left = until - time.monotonic()
             if left > 0:

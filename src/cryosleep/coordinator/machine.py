@@ -30,6 +30,7 @@ stays valid.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from typing import Any
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.hub import Hub
+from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.protocol import (
     GEN_STRIDE,
     Mode,
@@ -97,8 +99,9 @@ class SnapshotRun:
 
     def __init__(self, catalog: Catalog, hub: Hub, *, sid: str, job: str, mode: Mode, timeout_s: float,
                  nodes: Mapping[int, str], incarnations: Mapping[str, str], cfg: MachineConfig | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, metrics: CoordinatorMetrics | None = None) -> None:
         self.catalog = catalog
+        self.metrics = metrics
         self.hub = hub
         self.sid = sid
         self.job = job
@@ -109,7 +112,7 @@ class SnapshotRun:
         self.cfg = cfg or MachineConfig()
         self.log = log or (lambda _m: None)
         self.deadline = time.monotonic() + timeout_s
-        self.phases = Phases()
+        self.phases = Phases(metrics.phase_progress() if metrics else None)
         self.node_phases: dict[int, dict[str, float]] = {n: {} for n in self.nodes}
         self.step = 0
         self.gen = 0
@@ -120,6 +123,8 @@ class SnapshotRun:
         self.images: dict[int, dict[str, Any]] = {}
         self.cancelled = False
         self.rolling_back = False
+        self.holds_net = True  # some node has a job network to hold while dumping (its prepare answer says)
+        self.finished = threading.Event()  # set once the run is over and no longer the job's active one
 
     # ---- talking to every node ------------------------------------------------------------------------------
 
@@ -133,6 +138,7 @@ class SnapshotRun:
         restarted agent, or the deadline raises CaptureFailed (the rest is cancelled). Tolerant: waits for
         every node that can still answer and returns the failures."""
         self.step += 1
+        started = time.monotonic()
         cid = f"{self.sid}.{self.step}.{op}"
         todo = list(self.nodes) if nodes is None else list(nodes)
         out = Outcome()
@@ -150,18 +156,21 @@ class SnapshotRun:
                 out.failed.append(NodeFailure(n, f"{op}: its agent restarted (registered again), losing the "
                                               "snapshot's state"))
                 continue
-            a = args(n) if callable(args) else args
-            self.hub.send(self.nodes[n], cid, self.sid, self.job, op, a, deadline)
+        # one lock acquisition for the round's commands, one wake-up when its answers are in (hub.send_round)
+        self.hub.send_round(cid, self.sid, self.job, op,
+                            {self.nodes[n]: args(n) if callable(args) else args for n in todo}, deadline)
         pending = set(todo)
+        node_of = {self.nodes[n]: n for n in todo}
         phase = PHASE_OF[op]
         checked = 0.0
+        seen = 0
         while pending:
-            # one lock acquisition per wake-up for the results, and liveness at most every 50 ms: with 128 nodes,
-            # checking every node at every result would be quadratic and starve the HTTP threads
-            got = self.hub.collect({self.nodes[n]: cid for n in pending})
-            for n in sorted(pending):
-                r = got.get(self.nodes[n])
-                if r is None:
+            # only the results that arrived since the last wake-up, and liveness at most every 50 ms: with 2,048
+            # nodes, checking every node at every result would be quadratic and starve the HTTP threads
+            got = self.hub.arrived(cid, seen)
+            seen += len(got)
+            for n, r in sorted((node_of[a], r) for a, r in got if a in node_of):
+                if n not in pending:
                     continue
                 pending.discard(n)
                 np = self.node_phases[n]
@@ -181,7 +190,9 @@ class SnapshotRun:
                     if inc != self.incarnations[agent]:
                         why = "its agent restarted (registered again), losing the snapshot's state"
                     elif not alive:
-                        why = f"its agent was lost (no poll for {age or 0:.1f} s)"
+                        went = self.hub.left(agent)  # it said so as it went (its job ended on its node)
+                        why = f"its agent left: {went}" if went else \
+                            f"its agent was lost (no poll for {age or 0:.1f} s)"
                     elif self.cancelled and not self.rolling_back:  # the rollback itself still runs
                         why = "the coordinator is shutting down"
                     if why is not None:
@@ -193,9 +204,10 @@ class SnapshotRun:
                 out.failed.extend(NodeFailure(n, f"{op}: no answer before the deadline") for n in sorted(pending))
                 break
             if pending:
-                self.hub.wait_results({self.nodes[n]: cid for n in pending}, deadline)
-        for n in pending:
-            self.hub.cancel(self.nodes[n], cid)
+                self.hub.wait_arrivals(cid, seen, deadline)
+        self.hub.end_round(cid, [self.nodes[n] for n in pending])
+        if self.metrics is not None:
+            self.metrics.round_seconds.labels(str(op)).observe(time.monotonic() - started)
         if out.failed and not tolerant:
             first = out.failed[0]
             raise CaptureFailed(f"node {first.node} of job {self.job!r} failed the snapshot at {op}",
@@ -211,14 +223,14 @@ class SnapshotRun:
         self.log(f"snapshot {self.sid}: {state}")
 
     def _save_nodes(self) -> None:
-        for n, ph in self.node_phases.items():
-            self.catalog.update_node(self.sid, n, phases=ph, image=self.images.get(n))
+        self.catalog.update_nodes(self.sid, {n: (ph, self.images.get(n)) for n, ph in self.node_phases.items()})
 
     # ---- the phases ----------------------------------------------------------------------------------------
 
     def prepare(self) -> None:
         out = self.gather(Op.PREPARE, {"mode": str(self.mode)}, self.deadline)
         self.gen = max([int(d.get("gen", 0)) for d in out.ok.values()] + [0])
+        self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has
 
     def drain(self) -> Decision:
         gen = self.next_gen()
@@ -257,12 +269,13 @@ class SnapshotRun:
     def capture(self) -> None:
         """Keep-running: the job network is held on every node from before the first dump to after the last, so
         that no byte crosses between a node already dumped (and running on) and one not yet dumped
-        (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump."""
-        keep = self.mode is Mode.KEEP_RUNNING
-        if keep:
+        (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump; nor does a job
+        without a job network on any node (two rounds fewer)."""
+        hold = self.mode is Mode.KEEP_RUNNING and self.holds_net
+        if hold:
             self.gather(Op.NET_HOLD, {}, self.deadline)
         self.gather(Op.CAPTURE, {"mode": str(self.mode), "gen": self.next_gen()}, self.deadline)
-        if keep:
+        if hold:
             self.gather(Op.NET_RELEASE, {}, self.deadline)
 
     def rebuild_all(self, deadline: float) -> None:
@@ -414,8 +427,7 @@ class SnapshotRun:
                 self.catalog.event("ended", "the job was ended on every node still answering", job=self.job,
                                    snapshot=self.sid)
         self._save_nodes()
-        for n, st in states.items():
-            self.catalog.update_node(self.sid, n, state=st)
+        self.catalog.update_node_states(self.sid, states)
         self.catalog.update_snapshot(self.sid, state="failed", reason=err.what, error=err.to_json(),
                                      phases=self.phases.rounded(), finished=True)
         if any(self.hub.incarnation(a) in (None, self.incarnations[a]) for a in self.nodes.values()):

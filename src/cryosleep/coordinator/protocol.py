@@ -1,4 +1,4 @@
-"""The messages between the coordinator and the node agents (JSON over HTTP), version 1.
+"""The messages between the coordinator and the node agents (JSON over HTTP), version 2.
 
 Transport: **agents connect out**. An agent registers (``POST /v1/agents/register``), then long-polls
 (``POST /v1/agents/{agent}/poll``: held open until a command is queued for it or ``wait_s`` passes) and posts
@@ -60,11 +60,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryosleep.core.interceptor import CommSlot
-from cryosleep.cut.rules import CommTarget, RankView
+from cryosleep.core.interceptor import MAX_PEERS, CommSlot
+from cryosleep.cut.rules import CommTarget, RankView, zeros
 from cryosleep.errors import CryosleepError, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: slots on the wire as lists (protocol.slot_to_json); 1: as named fields (still read)
 GEN_STRIDE = 8  # generations reserved per command (HOLD + QUIESCE of a re-quiesce, REBUILD + RUN, ...)
 API = "/v1"
 
@@ -167,7 +167,11 @@ def _sparse(xs: tuple[int, ...]) -> dict[str, int]:
     return {str(i): n for i, n in enumerate(xs) if n}
 
 
-def _dense(d: Mapping[str, Any], n: int) -> tuple[int, ...]:
+def _dense(d: Mapping[str, Any] | None, n: int) -> tuple[int, ...]:
+    if not d:
+        return zeros(n)
+    if not isinstance(d, Mapping):
+        raise ValueError(f"a per-peer list is sparse ({{peer: n}}), not {type(d).__name__}")
     out = [0] * n
     for k, v in d.items():
         i = int(k)
@@ -177,28 +181,66 @@ def _dense(d: Mapping[str, Any], n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-_SLOT_INTS = ("index", "state", "vid", "rank", "nranks", "parent_vid", "color", "key", "rebuild", "flags", "device",
-              "seq", "coll_target", "uid_gen", "waiting", "waiting_kind", "waiting_peer")
+_HEAD = 18  # the slot's fields before its per-peer lists, in CommSlot's order (ident the 4th, in hex)
 
 
-def slot_to_json(s: CommSlot) -> dict[str, Any]:
-    d: dict[str, Any] = {k: getattr(s, k) for k in _SLOT_INTS}
-    d["ident"] = ident_hex(s.ident)
-    d["peers"] = len(s.send)
-    for k in ("send", "recv", "send_target", "recv_target"):
-        sp = _sparse(getattr(s, k))
-        if sp:
-            d[k] = sp
-    return d
+def slot_to_json(s: CommSlot) -> list[Any]:
+    """A slot as a list: CommSlot's 18 scalar fields in order (``ident`` in hex), the per-peer lists' length, then
+    the sparse send, recv, send_target, recv_target (trailing empty ones left out). Positional: a drain of 2,048
+    nodes decodes every rank's slots every round, and field names were most of the bytes."""
+    out: list[Any] = [s.index, s.state, s.vid, ident_hex(s.ident), s.rank, s.nranks, s.parent_vid, s.color, s.key,
+                      s.rebuild, s.flags, s.device, s.seq, s.coll_target, s.uid_gen, s.waiting, s.waiting_kind,
+                      s.waiting_peer, len(s.send)]
+    lists = [_sparse(s.send) if any(s.send) else {}, _sparse(s.recv) if any(s.recv) else {},
+             _sparse(s.send_target) if any(s.send_target) else {},
+             _sparse(s.recv_target) if any(s.recv_target) else {}]
+    while lists and not lists[-1]:
+        lists.pop()
+    out.extend(lists)
+    return out
 
 
-def slot_from_json(d: Mapping[str, Any]) -> CommSlot:
+_IDENTS: dict[str, int] = {}
+
+
+def _ident(h: Any) -> int:
+    i = _IDENTS.get(h) if isinstance(h, str) else None
+    if i is None:
+        i = int(str(h), 16)
+        if len(_IDENTS) < 65536:  # a job has a few communicators; thousands of slots name each
+            _IDENTS[str(h)] = i
+    return i
+
+
+def slot_from_json(d: Any) -> CommSlot:
+    """A slot from its list form (``slot_to_json``), or from the named form of protocol 1 (a dict)."""
+    if type(d) is not list:
+        if isinstance(d, dict):
+            return _slot_from_dict(d)
+        raise ValueError(f"a slot is a list, not {type(d).__name__}")
+    if not _HEAD + 1 <= len(d) <= _HEAD + 5:
+        raise ValueError(f"a slot is a list of {_HEAD + 1} to {_HEAD + 5} items, not {len(d)}")
+    n = int(d[_HEAD])
+    if not 0 <= n <= MAX_PEERS:
+        raise ValueError(f"{n} peers (at most {MAX_PEERS})")
+    z = zeros(n)
+    if len(d) == _HEAD + 1:  # no point-to-point counts at all: the common case
+        send = recv = send_t = recv_t = z
+    else:
+        send, recv, send_t, recv_t = ([_dense(x, n) for x in d[_HEAD + 1:]] + [z, z, z])[:4]
+    i = list(map(int, d[4:_HEAD]))  # int() as protocol 1 read each field (a builtin over the list: no call per field)
+    return CommSlot(int(d[0]), int(d[1]), int(d[2]), _ident(d[3]), i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7],
+                    i[8], i[9], i[10], i[11], i[12], i[13], send, recv, send_t, recv_t)
+
+
+def _slot_from_dict(d: Mapping[str, Any]) -> CommSlot:
     n = int(d["peers"])
-    ints = {k: int(d[k]) for k in _SLOT_INTS}
-    return CommSlot(ident=int(str(d["ident"]), 16), **ints,
-                    send=_dense(d.get("send") or {}, n), recv=_dense(d.get("recv") or {}, n),
-                    send_target=_dense(d.get("send_target") or {}, n),
-                    recv_target=_dense(d.get("recv_target") or {}, n))
+    return CommSlot(int(d["index"]), int(d["state"]), int(d["vid"]), _ident(d["ident"]), int(d["rank"]),
+                    int(d["nranks"]), int(d["parent_vid"]), int(d["color"]), int(d["key"]), int(d["rebuild"]),
+                    int(d["flags"]), int(d["device"]), int(d["seq"]), int(d["coll_target"]), int(d["uid_gen"]),
+                    int(d["waiting"]), int(d["waiting_kind"]), int(d["waiting_peer"]),
+                    _dense(d.get("send"), n), _dense(d.get("recv"), n), _dense(d.get("send_target"), n),
+                    _dense(d.get("recv_target"), n))
 
 
 def view_to_json(v: RankView) -> dict[str, Any]:
@@ -236,5 +278,6 @@ def targets_from_json(d: Mapping[str, Any]) -> dict[int, CommTarget]:
 
 
 def targets_for(targets: Mapping[int, CommTarget], idents: set[int]) -> dict[int, CommTarget]:
-    """The part of the job's targets one node needs: the communicators its ranks hold."""
-    return {i: t for i, t in targets.items() if i in idents}
+    """The part of the job's targets one node needs: the communicators its ranks hold (looked up from the
+    node's side: a job of 2,048 nodes has 2,049 communicators, and every node asks)."""
+    return {i: targets[i] for i in sorted(idents) if i in targets}

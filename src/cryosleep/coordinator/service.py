@@ -1,6 +1,10 @@
 """`cryosleep coordinator serve`: the catalog, the agents' connections and the snapshot machines behind one
 HTTP API (standard library ``ThreadingHTTPServer``, HTTP/1.1 keep-alive, one thread per connection).
 
+Every agent's poll is a request, so the per-request cost bounds a snapshot of thousands of nodes
+(docs/benchmarks.md): the handler reads the request line and headers itself (the standard library parses
+headers with the ``email`` package, about half of a request's CPU) and writes each response with one send.
+
 Every request but ``GET /v1/health`` carries ``Authorization: Bearer TOKEN`` (the token file's content,
 compared in constant time); a missing or wrong token gets 401 and a JSON error. Errors are the project's JSON
 form (``{"error": kind, "what", "why", "hint"}``) with a matching status.
@@ -11,9 +15,11 @@ Agents::
                                            facts, spec}   -> {agent_id, poll_wait_s, protocol}
     POST /v1/agents/{agent}/poll          {incarnation, wait_s, results?}  -> {commands: [...]}  (long poll)
     POST /v1/agents/{agent}/results       {incarnation, results: [...]}    -> {accepted}
+    POST /v1/agents/{agent}/leave         {incarnation, reason}            -> {left}  (its job ended there)
 
 Clients::
 
+    GET  /metrics                          the coordinator's Prometheus metrics (text format; coordinator/metrics.py)
     GET  /v1/jobs                          the jobs, with their nodes' liveness
     GET  /v1/jobs/{job}                    one job: nodes, agents, the snapshot in progress
     POST /v1/jobs/{job}/snapshots          {mode: keep-running|stop, timeout_s, request_id?, wait?}
@@ -24,12 +30,15 @@ Clients::
 
 from __future__ import annotations
 
+import email.utils
 import hmac
+import http
 import json
 import re
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,6 +47,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
+from cryosleep.coordinator.metrics import CONTENT_TYPE_LATEST
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION
 from cryosleep.errors import CryosleepError, NotFound, Unauthorized, UsageError
 
@@ -65,9 +75,11 @@ STATUS = {"not_found": 404, "usage": 400, "protocol": 400, "unauthorized": 401, 
 Route = tuple[str, re.Pattern[str], str]
 ROUTES: list[Route] = [
     ("GET", re.compile(r"^/v1/health$"), "health"),
+    ("GET", re.compile(r"^/metrics$"), "metrics"),
     ("POST", re.compile(r"^/v1/agents/register$"), "register"),
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/poll$"), "poll"),
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/results$"), "results"),
+    ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/leave$"), "leave"),
     ("GET", re.compile(r"^/v1/jobs$"), "jobs"),
     ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)$"), "job"),
     ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/snapshots$"), "job_snapshots"),
@@ -99,9 +111,63 @@ class Server(ThreadingHTTPServer):
         return f"http://{host!s}:{port}"
 
 
+_PHRASES = {int(st): st.phrase for st in http.HTTPStatus}
+_date: list[Any] = [0, ""]
+
+
+def _http_date() -> str:
+    now = int(time.time())
+    if _date[0] != now:
+        _date[:] = [now, email.utils.formatdate(now, usegmt=True)]
+    return str(_date[1])
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: Server
+    hdrs: dict[str, str]
+    """The request's headers, names in lower case."""
+    raw_requestline: bytes  # set by BaseHTTPRequestHandler.handle_one_request
+
+    def parse_request(self) -> bool:
+        """The request line and headers, read plainly; anything unusual goes to the standard library's parser."""
+        line = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        parts = line.split()
+        if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
+            ok = super().parse_request()
+            self.hdrs = {k.lower(): v for k, v in self.headers.items()} if ok else {}
+            return ok and self._length_given()
+        self.requestline = line
+        self.command, self.path, self.request_version = parts
+        hdrs: dict[str, str] = {}
+        while True:
+            raw = self.rfile.readline(65537)
+            if len(raw) > 65536 or len(hdrs) > 100:
+                self.send_error(431, "Request header fields too large")
+                return False
+            if raw in (b"\r\n", b"\n", b""):
+                break
+            name, sep, value = str(raw, "iso-8859-1").partition(":")
+            if not sep or not name.strip():
+                self.send_error(400, "Bad request header", repr(raw[:80]))
+                return False
+            hdrs[name.strip().lower()] = value.strip()
+        self.hdrs = hdrs
+        conn = hdrs.get("connection", "").lower()
+        self.close_connection = conn == "close" or (self.request_version == "HTTP/1.0" and conn != "keep-alive")
+        if not self._length_given():
+            return False
+        if hdrs.get("expect", "").lower() == "100-continue":
+            return self.handle_expect_100()
+        return True
+
+    def _length_given(self) -> bool:
+        """A body comes with Content-Length. A chunked one (no client of ours sends it) is refused with 411 and
+        the connection closed: reading on, its chunks would be taken for the next request."""
+        if "transfer-encoding" not in self.hdrs:
+            return True
+        self.send_error(411, "Length Required", "send the body with Content-Length (chunked bodies are not read)")
+        return False
 
     def setup(self) -> None:
         super().setup()
@@ -118,15 +184,19 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._dispatch("POST")
 
-    def _send(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
+    route = "unknown"
+
+    def _send(self, status: int, body: Any, headers: dict[str, str] | None = None,
+              content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        m = self.server.coordinator.metrics
+        m.request(self.route, status)
+        if status >= 400:
+            m.errors.labels(body.get("error", "error") if isinstance(body, dict) else "error").inc()
+        head = [f"HTTP/1.1 {status} {_PHRASES.get(status, '')}", "Server: cryosleep", f"Date: {_http_date()}",
+                f"Content-Type: {content_type}", f"Content-Length: {len(data)}"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)  # one send, not two
 
     def _gone(self) -> bool:
         """The client closed its connection (a lost agent's long poll): readable with nothing to read."""
@@ -137,7 +207,7 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _authorized(self) -> bool:
-        given = self.headers.get("Authorization", "")
+        given = self.hdrs.get("authorization", "")
         scheme, _, token = given.partition(" ")
         ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.server.token)
         if not ok:
@@ -151,15 +221,20 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
         try:
-            n = int(self.headers.get("Content-Length") or 0)
+            n = int(self.hdrs.get("content-length") or 0)
             if n > MAX_BODY:
                 raise UsageError("the request is too large", f"{n} bytes", f"send at most {MAX_BODY} bytes")
             raw = self.rfile.read(n) if n else b""
+            self.route = "unknown"
             for m, pattern, name in ROUTES:
                 match = pattern.match(url.path)
                 if match is None or m != method:
                     continue
+                self.route = name
                 if name != "health" and not self._authorized():
+                    return
+                if name == "metrics":
+                    self._send(200, self.server.coordinator.metrics.render(), content_type=CONTENT_TYPE_LATEST)
                     return
                 try:
                     body = json.loads(raw) if raw else {}
@@ -194,6 +269,8 @@ class Handler(BaseHTTPRequestHandler):
             return c.poll(p["agent"], body, self._gone)
         if name == "results":
             return c.results(p["agent"], body)
+        if name == "leave":
+            return c.leave(p["agent"], body)
         if name == "jobs":
             return {"jobs": c.jobs()}
         if name == "job":

@@ -121,23 +121,37 @@ def max_targets(views: Iterable[RankView], floor: Targets | None = None) -> dict
     for ident, members in _members(views).items():
         pairs: dict[Pair, int] = {}
         for _, s in members:
-            for p, n in enumerate(s.send):
-                if n:
-                    pairs[(s.rank, p)] = max(pairs.get((s.rank, p), 0), n)
-            for p, n in enumerate(s.recv):
-                if n:
-                    pairs[(p, s.rank)] = max(pairs.get((p, s.rank), 0), n)
+            if any(s.send):  # (most slots count no point-to-point calls: skip their peer lists)
+                for p, n in enumerate(s.send):
+                    if n:
+                        pairs[(s.rank, p)] = max(pairs.get((s.rank, p), 0), n)
+            if any(s.recv):
+                for p, n in enumerate(s.recv):
+                    if n:
+                        pairs[(p, s.rank)] = max(pairs.get((p, s.rank), 0), n)
         found = CommTarget(max(s.seq for _, s in members), pairs)
         out[ident] = _merge(out[ident], found) if ident in out else found
     return out
+
+
+_ZEROS: dict[int, tuple[int, ...]] = {}
+
+
+def zeros(n: int) -> tuple[int, ...]:
+    """One shared all-zero tuple per length: most per-peer lists are all zero, and comparing a list with the
+    very same tuple is one identity check (``decide`` compares every slot of every rank each round)."""
+    z = _ZEROS.get(n)
+    if z is None:
+        z = _ZEROS[n] = (0,) * n
+    return z
 
 
 def slot_targets(targets: Targets, s: CommSlot) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """What to write on one member's slot: (coll_target, send_target[peer], recv_target[peer])."""
     t = targets.get(s.ident)
     n = len(s.send)
-    if t is None:
-        return 0, (0,) * n, (0,) * n
+    if t is None or not t.pairs:
+        return (0 if t is None else t.coll), zeros(n), zeros(n)
     send = tuple(t.pairs.get((s.rank, p), 0) for p in range(n))
     recv = tuple(t.pairs.get((p, s.rank), 0) for p in range(n))
     return t.coll, send, recv
@@ -166,9 +180,9 @@ def _short(v: RankView) -> bool:
     for s in v.comms:
         if s.seq < s.coll_target:
             return True
-        if any(n < t for n, t in zip(s.send, s.send_target, strict=True)):
+        if any(s.send_target) and any(n < t for n, t in zip(s.send, s.send_target, strict=True)):
             return True
-        if any(n < t for n, t in zip(s.recv, s.recv_target, strict=True)):
+        if any(s.recv_target) and any(n < t for n, t in zip(s.recv, s.recv_target, strict=True)):
             return True
     return False
 

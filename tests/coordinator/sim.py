@@ -1,16 +1,20 @@
 """Simulated node agents: the real protocol over real HTTP, with simulated ranks and NCCL counters.
 
-For the coordinator's tests and its scale benchmark (no workers, no CRIU). ``SimWorld`` is one job: every
-rank runs the same program, step after step: an all-reduce on its node's communicator (the node's ranks),
-then one on the job-wide communicator. Ranks start at different points of the program (``spread``), so at a
-snapshot some are behind and must run on to the cut, and some are held short of it on their node's
-communicator (the case ``cut.rules.raise_for_stuck`` exists for). The interceptor's gate is modelled as
-docs/interceptor.md describes it: in HOLD a collective is admitted while ``seq < coll_target``.
+Test-only code (not in the package): for the coordinator's tests and its scale benchmark (no workers, no
+CRIU). ``SimWorld`` is one job: every rank runs the same program, step after step: an all-reduce on its
+node's communicator (the node's ranks), then one on the job-wide communicator. Ranks start at different
+points of the program (``spread``), so at a snapshot some are behind and must run on to the cut, and some are
+held short of it on their node's communicator (the case ``cut.rules.raise_for_stuck`` exists for). The
+interceptor's gate is modelled as docs/interceptor.md describes it: in HOLD a collective is admitted while
+``seq < coll_target``.
 
 ``SimNode`` implements ``client.NodeBackend`` for one node's ranks; with ``call_s > 0`` a rank takes that long
 per call, so the cut takes several rounds. ``SimFaults`` injects, per node: an error, a hang (never answers),
 a lost agent (stops polling) or a delay, at any operation or phase. ``SimCluster`` starts a job's nodes, each
-with its own ``AgentRunner`` (threads in this process, each with its own HTTP connections).
+with its own ``AgentRunner`` (threads in this process, each with its own HTTP connections); ``only`` limits it
+to some of the job's nodes, so that one job's agents can be spread over several processes (the benchmark does):
+every process builds the same world from the same seed, and the ids published for a rebuild are derived from
+(communicator, generation), so they agree across processes.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class SimWorld:
         self.nproc = nproc
         self.world = nnodes * nproc
         self.call_s = call_s
+        self.seed = seed
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.ranks = [SimRank(r, r // nproc, r % nproc) for r in range(self.world)]
@@ -152,20 +157,23 @@ class SimWorld:
                         settled_gen=rk.settled_gen, settled=settled)
 
     def publish(self, ident: int, gen: int) -> str:
+        """The id communicator ``ident``'s rank 0 publishes at generation ``gen`` (the same in every process)."""
         with self.lock:
-            return self.uids.setdefault((ident, gen), hashlib.sha256(f"{ident}:{gen}:{time.time_ns()}".encode())
+            return self.uids.setdefault((ident, gen), hashlib.sha256(f"{self.seed}:{ident}:{gen}".encode())
                                         .hexdigest()[:32])
 
 
 class SimNode:
     """One node's simulated agent (``client.NodeBackend``)."""
 
-    def __init__(self, world: SimWorld, node: int, store: Path, faults: SimFaults | None = None) -> None:
+    def __init__(self, world: SimWorld, node: int, store: Path, faults: SimFaults | None = None,
+                 net: bool = True) -> None:
         self.world = world
         self.node = node
+        self.net = net  # a job network (net_hold holds it); without one on any node, the coordinator skips the hold
         self.store = store
         self.faults = faults or SimFaults()
-        self.ranks = [rk for rk in world.ranks if rk.node == node]
+        self.ranks = world.ranks[node * world.nproc:(node + 1) * world.nproc]
         self.lock = threading.Lock()
         self.ops: list[tuple[str, str]] = []  # (snapshot, op) executed, in order
         self.staged: dict[str, dict[str, Any]] = {}
@@ -240,7 +248,8 @@ class SimNode:
         if any(rk.ended for rk in self.ranks):
             raise NotEligible(f"node {self.node}'s workers have ended", "", "")
         self.world.run_free(self.ranks, 3)
-        return {"ranks": [rk.rank for rk in self.ranks], "gen": self.gen, "facts": {"simulated": True}}
+        return {"ranks": [rk.rank for rk in self.ranks], "gen": self.gen, "facts": {"simulated": True},
+                "net": self.net}
 
     def hold(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._hold, cmd)
@@ -313,7 +322,7 @@ class SimNode:
         self._enter(cmd)
         if any(rk.live for rk in self.ranks):
             raise CaptureFailed(f"node {self.node}: ranks are not quiesced", "", "")
-        if cmd.args.get("mode") == "keep-running" and not self.net_held:
+        if cmd.args.get("mode") == "keep-running" and self.net and not self.net_held:
             raise CaptureFailed(f"node {self.node}: a keep-running dump without the job network held", "", "")
         self.staged[cmd.snapshot] = {"node": self.node, "ranks": {
             str(rk.rank): {ident_hex(i): n for i, n in sorted(rk.seq.items())} for rk in self.ranks}}
@@ -355,7 +364,7 @@ class SimNode:
                 if self.world.comm_rank(rk, ident) == 0:
                     continue
                 h = ident_hex(ident)
-                if got.get(h) != self.world.uids.get((ident, gen)):
+                if got.get(h) != self.world.publish(ident, gen):
                     raise CaptureFailed(f"rank {rk.rank}: wrong or missing id for {h}", f"got {got.get(h)}", "")
                 rk.uid_gen[ident] = gen
         for rk in self.ranks:
@@ -441,10 +450,11 @@ class SimCluster:
 
     def __init__(self, url: str, token: str, store: Path, *, job: str = "sim", nnodes: int = 2, nproc: int = 4,
                  seed: int = 0, spread: int = 5, call_s: float = 0.0, faults: dict[int, SimFaults] | None = None,
-                 wait_s: float = 20.0, log: Callable[[str], None] | None = None) -> None:
+                 wait_s: float = 20.0, log: Callable[[str], None] | None = None,
+                 only: range | None = None, net: bool = True) -> None:
         self.world = SimWorld(nnodes, nproc, seed=seed, spread=spread, call_s=call_s)
         self.job = job
-        self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n)) for n in range(nnodes)]
+        self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n), net) for n in (only or range(nnodes))]
         self.runners: list[AgentRunner] = []
         for node in self.nodes:
             reg = Registration(job=job, nnodes=nnodes, node_rank=node.node, ranks=[rk.rank for rk in node.ranks],
