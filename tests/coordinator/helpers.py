@@ -21,6 +21,7 @@ class Env:
     tmp: Path
     token: str
     srv: service.Server
+    db: str  # the catalog: an SQLite file or a PostgreSQL URL
     clusters: list[SimCluster] = field(default_factory=list)
 
     @property

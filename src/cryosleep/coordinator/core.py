@@ -19,6 +19,7 @@ from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRu
 from cryosleep.coordinator.placement import Placements
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
 from cryosleep.coordinator.rendezvous import Board
+from cryosleep.coordinator.shared import SharedStore
 from cryosleep.errors import Busy, NotEligible, NotFound, ProtocolError, UsageError
 
 
@@ -47,8 +48,9 @@ class Coordinator:
         self.cfg = cfg or ServiceConfig()
         self.log: Callable[[str], None] = log or _stderr_log
         self.hub = Hub(self.cfg.redeliver_s)
-        self.board = Board()  # multi-node restores meet here (coordinator/rendezvous.py)
-        self.placements = Placements()  # host daemons, and snapshots placed on them (coordinator/placement.py)
+        shared = SharedStore(catalog)  # written through, loaded back by a successor (coordinator/shared.py)
+        self.board = Board(shared)  # multi-node restores meet here (coordinator/rendezvous.py)
+        self.placements = Placements(store=shared)  # host daemons, and snapshots placed on them (placement.py)
         self.lock = threading.Lock()
         self.active: dict[str, SnapshotRun] = {}  # job -> its snapshot in progress
         self.threads: list[threading.Thread] = []
