@@ -5,10 +5,10 @@
 #           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way);
 #           Slurm and munge from the distribution's packages, for the Slurm tests (tests/slurm);
 #           PostgreSQL's server from the distribution's packages, for the coordinator's server catalog's tests
-#   slurm   only that last step: apt-get install of slurmctld, slurmd, slurm-client and munge (no daemon is started:
+#   slurm   only the Slurm step: apt-get install of slurmctld, slurmd, slurm-client and munge (no daemon is started:
 #           the tests run their own, in a private directory)
-#   postgresql  only that: apt-get install of postgresql (the package's own cluster is not used: the tests run their own server,
-#           as an unprivileged user, in a private directory: tests/pgserver.py)
+#   postgresql  only the PostgreSQL step: apt-get install of postgresql (the package's own cluster is not used:
+#           the tests run their own server, as an unprivileged user, in a private directory: tests/pgserver.py)
 #   test    the default test suite (what CI runs)
 #   demo    the main job: snapshot, stop and restore a small DDP job, compared bit for bit
 #   lint    ruff and mypy --strict

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,3 +56,28 @@ def wait_for(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condi
 
 def images(store: Path, sid: str) -> list[Path]:
     return sorted((store / sid).glob("node-*.json")) if (store / sid).exists() else []
+
+
+def launch(tmp: Path, listen: str, db: str, *extra: str) -> subprocess.Popen[str]:
+    """``coordinator serve`` on ``db`` (its stderr in tmp/coordinator.log)."""
+    with open(tmp / "coordinator.log", "a") as log:
+        return subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "coordinator", "serve", "--listen", listen,
+                                 "--db", db, "--token-file", str(tmp / "token"), "--json", "--poll-wait", "2",
+                                 "--lost-after", "1", "--rollback-timeout", "15", *extra],
+                                stdout=subprocess.PIPE, stderr=log, text=True,
+                                env={**os.environ, "CRYOSLEEP_HOME": str(tmp / "home")})
+
+
+def listening(p: subprocess.Popen[str]) -> str:
+    """The URL a coordinator started by ``launch`` serves on, once it does."""
+    assert p.stdout is not None
+    doc = ""
+    while True:
+        line = p.stdout.readline()
+        if not line:
+            raise AssertionError("the coordinator did not start")
+        doc += line
+        try:
+            return str(json.loads(doc)["listening"])
+        except ValueError:
+            continue

@@ -142,22 +142,34 @@ class PostgresEngine(Engine):
             raise CryosleepError("the coordinator cannot use a PostgreSQL catalog", "psycopg is not installed",
                                  "pip install 'cryosleep[postgresql]' (psycopg 3)") from e
         self._psycopg = psycopg
+        self._dict_row = dict_row
+        self.db = self._connect()
+
+    def _connect(self) -> Any:
         try:
-            self.db = psycopg.connect(url, autocommit=True, row_factory=dict_row, connect_timeout=10)
-        except psycopg.Error as e:
+            return self._psycopg.connect(self.url, autocommit=True, row_factory=self._dict_row, connect_timeout=10)
+        except self._psycopg.Error as e:
             raise CryosleepError(f"the coordinator's catalog {self.where} cannot be opened", str(e).strip(),
                                  "check the URL (--db), that the PostgreSQL server runs, and the user's "
                                  "rights on the database") from e
+
+    def _live(self) -> Any:
+        """The connection, opened again if it was lost (the server restarted, a proxy dropped it): the statement
+        that found it lost failed, the next one runs on a new connection."""
+        if self.db.broken:
+            self.db = self._connect()
+        return self.db
 
     @staticmethod
     def _sql(q: str) -> str:
         return q.replace("?", "%s")  # the catalog's SQL holds no literal '?' and no '%'
 
     def execute(self, q: str, args: Sequence[Any] = ()) -> Cursor:
-        return self.db.execute(self._sql(q), tuple(args))
+        cur: Cursor = self._live().execute(self._sql(q), tuple(args))
+        return cur
 
     def executemany(self, q: str, rows: Iterable[Sequence[Any]]) -> None:
-        with self.db.cursor() as cur:
+        with self._live().cursor() as cur:
             cur.executemany(self._sql(q), [tuple(r) for r in rows])
 
     def ddl(self, stmt: str) -> str:
@@ -168,10 +180,10 @@ class PostgresEngine(Engine):
         return bool(self.db.info.transaction_status != self._psycopg.pq.TransactionStatus.IDLE)
 
     def begin(self) -> None:
-        self.db.execute("BEGIN")
+        self._live().execute("BEGIN")
 
     def columns(self, table: str) -> set[str]:
-        rows = self.db.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s "
+        rows = self._live().execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s "
                                "AND table_schema = current_schema()", (table,)).fetchall()
         return {str(r["column_name"]) for r in rows}
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryosleep.coordinator.shared import SharedStore, StoredOrder
+from cryosleep.coordinator.shared import SharedStore
 from cryosleep.errors import Busy, NotEligible, NotFound, UsageError
 
 HOST_FRESH_S = 60.0  # a host that has not polled for this long is not offered for a placement
@@ -85,16 +85,14 @@ class Placements:
         if store is not None:  # what a previous coordinator left (a restart, a standby's takeover)
             for name, facts, seen in store.hosts():
                 self.hosts[name] = HostEntry(name, facts, seen, written=seen)
-            for so in store.orders():
-                self.orders[so.id] = Order(so.id, so.placement, so.host, so.snapshot, so.node_rank, so.peers,
-                                           so.timeout_s, so.state, so.result, so.error, so.updated)
-                self.placements.setdefault(so.placement, []).append(so.id)
+            for d in store.orders():
+                o = self.orders[d["id"]] = Order(**d)
+                self.placements.setdefault(o.placement, []).append(o.id)
 
     def _write(self, *orders: Order) -> None:
         if self.store is not None:
             for o in orders:
-                self.store.order_put(StoredOrder(o.id, o.placement, o.host, o.snapshot, o.node_rank, o.peers,
-                                                 o.timeout_s, o.state, o.result, o.error, o.updated))
+                self.store.order_put(o.to_json())
 
     # ---- the host daemons' side --------------------------------------------------------------------------------
 

@@ -23,11 +23,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from cryosleep.coordinator.catalog import Catalog
+from cryosleep.core import proctree
 
 LEASE = "coordinator"
 
@@ -38,21 +37,6 @@ def _j(x: Any) -> str:
 
 def _mono(wall: float, now_wall: float, now_mono: float) -> float:
     return now_mono - max(0.0, now_wall - wall)
-
-
-@dataclass
-class StoredOrder:
-    id: str
-    placement: str
-    host: str
-    snapshot: str
-    node_rank: int
-    peers: list[str]
-    timeout_s: float
-    state: str
-    result: dict[str, Any] | None
-    error: dict[str, Any] | None
-    updated: float  # monotonic
 
 
 class SharedStore:
@@ -101,43 +85,37 @@ class SharedStore:
         return [(str(r["name"]), json.loads(r["facts"]), _mono(float(r["seen_at"]), now_wall, now_mono))
                 for r in rows]
 
-    def order_put(self, o: StoredOrder) -> None:
+    def order_put(self, o: dict[str, Any]) -> None:
+        """One order (placement.Order's JSON form)."""
         with self.catalog.tx() as c:
             c.execute("INSERT INTO orders (id, placement, host, snapshot, node_rank, peers, timeout_s, state, result, "
                       "error, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                       "state = excluded.state, result = excluded.result, error = excluded.error, "
                       "updated_at = excluded.updated_at",
-                      (o.id, o.placement, o.host, o.snapshot, o.node_rank, _j(o.peers), o.timeout_s, o.state,
-                       None if o.result is None else _j(o.result), None if o.error is None else _j(o.error),
-                       time.time()))
+                      (o["id"], o["placement"], o["host"], o["snapshot"], o["node_rank"], _j(o["peers"]),
+                       o["timeout_s"], o["state"], None if o.get("result") is None else _j(o["result"]),
+                       None if o.get("error") is None else _j(o["error"]), time.time()))
 
     def orders_drop(self, ids: list[str]) -> None:
         with self.catalog.tx() as c:
             c.executemany("DELETE FROM orders WHERE id = ?", [(i,) for i in ids])
 
-    def orders(self) -> list[StoredOrder]:
-        """Every order, by placement and node rank."""
+    def orders(self) -> list[dict[str, Any]]:
+        """Every order (its JSON form, and ``updated``: the monotonic time of its last change), by placement and
+        node rank."""
         with self.catalog.lock:
             rows = self.catalog.db.execute("SELECT * FROM orders ORDER BY placement, node_rank").fetchall()
         now_wall, now_mono = time.time(), time.monotonic()
-        return [StoredOrder(str(r["id"]), str(r["placement"]), str(r["host"]), str(r["snapshot"]),
-                            int(r["node_rank"]), json.loads(r["peers"]), float(r["timeout_s"]), str(r["state"]),
-                            json.loads(r["result"]) if r["result"] else None,
-                            json.loads(r["error"]) if r["error"] else None,
-                            _mono(float(r["updated_at"]), now_wall, now_mono)) for r in rows]
-
-
-def _started(pid: int) -> str:
-    """A process's start time (clock ticks since boot), "" if there is none: with the pid, it names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]
+        return [{"id": str(r["id"]), "placement": str(r["placement"]), "host": str(r["host"]),
+                 "snapshot": str(r["snapshot"]), "node_rank": int(r["node_rank"]), "peers": json.loads(r["peers"]),
+                 "timeout_s": float(r["timeout_s"]), "state": str(r["state"]),
+                 "result": json.loads(r["result"]) if r["result"] else None,
+                 "error": json.loads(r["error"]) if r["error"] else None,
+                 "updated": _mono(float(r["updated_at"]), now_wall, now_mono)} for r in rows]
 
 
 def holder_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{_started(os.getpid())}:{secrets.token_hex(4)}"
+    return f"{socket.gethostname()}:{os.getpid()}:{proctree.start_time(os.getpid())}:{secrets.token_hex(4)}"
 
 
 def gone(holder: str) -> bool:
@@ -145,7 +123,7 @@ def gone(holder: str) -> bool:
     parts = holder.split(":")
     if len(parts) != 4 or parts[0] != socket.gethostname() or not parts[1].isdigit():
         return False
-    return _started(int(parts[1])) != parts[2]
+    return proctree.start_time(int(parts[1])) != parts[2]
 
 
 class Lease:
