@@ -1,6 +1,6 @@
 """A real coordinator (HTTP on 127.0.0.1) with short timeouts, and simulated node agents; every test that takes
 the catalog (``env``, ``db``) runs once on each engine: SQLite in tmp_path, and a database of its own on one real
-PostgreSQL server per session (tests/pgserver.py)."""
+PostgreSQL server per session (``pg``, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,6 @@ from tests import pgserver
 from tests.coordinator.helpers import FAST, Env
 
 ENGINES = ("sqlite", "postgresql")
-
-
-@pytest.fixture(scope="session")
-def pg() -> Iterator[pgserver.PgServer]:
-    missing = pgserver.installed()
-    if missing:  # `make setup` installs it: in CI a lack is a failure
-        pytest.fail(f"the PostgreSQL tests need {missing}")
-    server = pgserver.PgServer().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=ENGINES)

@@ -60,6 +60,7 @@ def test_coordinator_killed_mid_snapshot(tmp_path: Path, db: str, stage: str) ->
         assert client.job("sim")["state"] == "running"
         # and the job can be snapshotted again through the new coordinator
         c.nodes[1].faults.hang.clear()
+        wait_for(lambda: client.job("sim")["snapshot_in_progress"] is None, 30, "the recovery's run ended")
         again = client.snapshot("sim", timeout_s=30)
         assert again["state"] == "verified", again.get("error")
     finally:

@@ -72,6 +72,7 @@ def test_a_standby_takes_over_a_snapshot_in_flight(tmp_path: Path, pg: PgServer,
             assert images(tmp_path / "store", s["id"]) == []
             assert client.snapshots("sim", valid_only=True) == []
             c.nodes[1].faults.hang.clear()
+            wait_for(lambda: client.job("sim")["snapshot_in_progress"] is None, 30, "the recovery's run ended")
             again = client.snapshot("sim", timeout_s=30)  # through the coordinator that took over
             assert again["state"] == "verified", again.get("error")
         else:

@@ -259,6 +259,7 @@ def start(listen: str, db: Path | str, token: str, cfg: ServiceConfig | None = N
                              "choose another --listen address or port") from e
     srv.lease = lease
     lease.address = srv.url
+    lease.try_take()  # renewed now, with the address it serves on (what a standby and an operator read)
     t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True)
     t.start()
 
