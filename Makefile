@@ -3,9 +3,12 @@
 #           (transformers, Lightning, torchdata: pinned, never replacing torch); the native helpers; CRIU 4.2
 #           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt);
 #           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way);
-#           Slurm and munge from the distribution's packages, for the Slurm tests (tests/slurm)
-#   slurm   only that last step: apt-get install of slurmctld, slurmd, slurm-client and munge (no daemon is started:
+#           Slurm and munge from the distribution's packages, for the Slurm tests (tests/slurm);
+#           PostgreSQL's server from the distribution's packages, for the coordinator's server catalog's tests
+#   slurm   only the Slurm step: apt-get install of slurmctld, slurmd, slurm-client and munge (no daemon is started:
 #           the tests run their own, in a private directory)
+#   postgresql  only the PostgreSQL step: apt-get install of postgresql (the package's own cluster is not used:
+#           the tests run their own server, as an unprivileged user, in a private directory: tests/pgserver.py)
 #   test    the default test suite (what CI runs)
 #   demo    the main job: snapshot, stop and restore a small DDP job, compared bit for bit
 #   lint    ruff and mypy --strict
@@ -14,9 +17,9 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN = $(VENV)/bin
 
-.PHONY: setup venv native criu s3server slurm test test-extended test-slurm test-fast demo lint clean
+.PHONY: setup venv native criu s3server slurm postgresql test test-extended test-slurm test-fast demo lint clean
 
-setup: venv native criu s3server slurm
+setup: venv native criu s3server slurm postgresql
 
 venv: $(VENV)/.installed
 
@@ -43,6 +46,13 @@ slurm:
 	    && command -v munged >/dev/null; then echo "slurm: installed"; else \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	    $(SLURM_PACKAGES); fi
+
+PG_PACKAGES = postgresql
+postgresql:
+	@if ls /usr/lib/postgresql/*/bin/initdb /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then \
+	  echo "postgresql: installed"; else \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    $(PG_PACKAGES); fi
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=25

@@ -12,6 +12,7 @@ import pytest
 
 from cryosleep import paths
 from cryosleep.capture import criu_install
+from tests import pgserver
 
 # Resolved once, before any test moves CRYOSLEEP_HOME: the CRIU that `make setup` installed.
 REAL_CRIU_ROOT = str(paths.criu_root())
@@ -33,6 +34,17 @@ def cryo_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     # (files under /tmp may change), and a whole run's images would otherwise fill the disk before pytest's
     # own cleanup of old runs. The job directories and logs stay, for a failure's post-mortem.
     shutil.rmtree(tmp_path / "store", ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[pgserver.PgServer]:
+    """One real PostgreSQL server for the session (tests/pgserver.py); ``pg.database()`` a fresh database."""
+    missing = pgserver.installed()
+    if missing:  # `make setup` installs it: in CI a lack is a failure
+        pytest.fail(f"the PostgreSQL tests need {missing}")
+    server = pgserver.PgServer().start()
+    yield server
+    server.stop()
 
 
 def require_criu() -> None:

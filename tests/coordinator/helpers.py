@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +27,7 @@ class Env:
     tmp: Path
     token: str
     srv: service.Server
+    db: str  # the catalog: an SQLite file or a PostgreSQL URL
     clusters: list[SimCluster] = field(default_factory=list)
 
     @property
@@ -44,12 +49,14 @@ class Env:
 
 
 @contextmanager
-def serving(tmp: Path, cfg: service.ServiceConfig = FAST) -> Iterator[Env]:
-    """A real coordinator on 127.0.0.1 (SQLite in ``tmp``), closed with its simulated clusters at the end."""
+def serving(tmp: Path, cfg: service.ServiceConfig = FAST, db: str | None = None) -> Iterator[Env]:
+    """A real coordinator on 127.0.0.1 (its catalog ``db``: by default SQLite in ``tmp``), closed with its simulated
+    clusters at the end."""
     token = secrets.token_hex(16)
     (tmp / "token").write_text(token)
-    srv, _ = service.start("127.0.0.1:0", tmp / "catalog.db", token, cfg, log=lambda _m: None)
-    e = Env(tmp, token, srv)
+    db = db or str(tmp / "catalog.db")
+    srv, _ = service.start("127.0.0.1:0", db, token, cfg, log=lambda _m: None)
+    e = Env(tmp, token, srv, db)
     try:
         yield e
     finally:
@@ -69,3 +76,28 @@ def wait_for(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condi
 
 def images(store: Path, sid: str) -> list[Path]:
     return sorted((store / sid).glob("node-*.json")) if (store / sid).exists() else []
+
+
+def launch(tmp: Path, listen: str, db: str, *extra: str) -> subprocess.Popen[str]:
+    """``coordinator serve`` on ``db`` (its stderr in tmp/coordinator.log)."""
+    with open(tmp / "coordinator.log", "a") as log:
+        return subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "coordinator", "serve", "--listen", listen,
+                                 "--db", db, "--token-file", str(tmp / "token"), "--json", "--poll-wait", "2",
+                                 "--lost-after", "1", "--rollback-timeout", "15", *extra],
+                                stdout=subprocess.PIPE, stderr=log, text=True,
+                                env={**os.environ, "CRYOSLEEP_HOME": str(tmp / "home")})
+
+
+def listening(p: subprocess.Popen[str]) -> str:
+    """The URL a coordinator started by ``launch`` serves on, once it does."""
+    assert p.stdout is not None
+    doc = ""
+    while True:
+        line = p.stdout.readline()
+        if not line:
+            raise AssertionError("the coordinator did not start")
+        doc += line
+        try:
+            return str(json.loads(doc)["listening"])
+        except ValueError:
+            continue

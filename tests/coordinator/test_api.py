@@ -161,15 +161,15 @@ def test_wire_encoding_round_trips() -> None:
     assert Result.from_json(json.loads(json.dumps(r.to_json()))) == r
 
 
-def test_catalog_schema_is_versioned(tmp_path: Path) -> None:
-    cat = Catalog(tmp_path / "c.db")
+def test_catalog_schema_is_versioned(db: str) -> None:
+    cat = Catalog(db)
     assert cat.schema_version() == SCHEMA_VERSION
     cat.db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     cat.close()
     from cryosleep.errors import CryosleepError
 
     with pytest.raises(CryosleepError, match="schema version 99"):
-        Catalog(tmp_path / "c.db")
+        Catalog(db)
 
 
 def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path: Path) -> None:
     db.commit()
     db.close()
     cat = Catalog(tmp_path / "c.db")
-    assert cat.schema_version() == 2
+    assert cat.schema_version() == SCHEMA_VERSION
     assert [(n["agent"], n["incarnation"]) for n in cat.snapshot("s1")["nodes"]] == [("j@0", "")]
     cat.create_snapshot("s2", "j", "stop", 10.0, None, {0: "j@0"}, {"j@0": "inc-1"})
     assert cat.snapshot("s2")["nodes"][0]["incarnation"] == "inc-1"
@@ -229,8 +229,8 @@ def test_cli_without_coordinator_says_what_to_do(monkeypatch: pytest.MonkeyPatch
     assert doc["error"] == "usage" and "CRYOSLEEP_COORDINATOR" in doc["hint"]
 
 
-def test_catalog_keeps_an_aborted_snapshot_unfinished_until_rolled_back(tmp_path: Path) -> None:
-    cat = Catalog(tmp_path / "c.db")
+def test_catalog_keeps_an_aborted_snapshot_unfinished_until_rolled_back(db: str) -> None:
+    cat = Catalog(db)
     cat.register(agent_id="j@0", job="j", nnodes=1, node_rank=0, incarnation="i", hostname="h", address="a",
                  ranks=[0], facts={}, spec={})
     cat.create_snapshot("s1", "j", "stop", 10.0, None, {0: "j@0"})
@@ -270,12 +270,12 @@ def test_restore_of_a_node_refuses_what_it_cannot_restore(env: Env, monkeypatch:
     assert "--node-rank" in json.loads(capsys.readouterr().out)["hint"]
 
 
-def test_a_restored_agent_brings_a_damaged_job_back_to_running(tmp_path: Path) -> None:
+def test_a_restored_agent_brings_a_damaged_job_back_to_running(db: str) -> None:
     """A restarted coordinator's recovery that could not roll back the dead one's snapshot ends the job and marks it
     damaged; when that comes after the job was restored from its last verified snapshot but before the restored
     agents registered (a busy machine), their registration says the job runs again. The same agent polling again
     (its own incarnation) does not."""
-    cat = Catalog(tmp_path / "c.db")
+    cat = Catalog(db)
 
     def register(incarnation: str) -> None:
         cat.register(agent_id="j@0", job="j", nnodes=1, node_rank=0, incarnation=incarnation, hostname="h",

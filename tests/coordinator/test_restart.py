@@ -3,46 +3,29 @@
 
 from __future__ import annotations
 
-import json
-import os
 import secrets
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.client import CoordinatorClient
-from tests.coordinator.helpers import images, wait_for
+from tests.coordinator.helpers import images, launch, listening, wait_for
 from tests.coordinator.sim import SimCluster, SimFaults
 
 
-def serve(tmp: Path, listen: str) -> tuple[subprocess.Popen[str], str]:
-    p = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "coordinator", "serve", "--listen", listen,
-                          "--db", str(tmp / "catalog.db"), "--token-file", str(tmp / "token"), "--json",
-                          "--poll-wait", "2", "--lost-after", "1", "--rollback-timeout", "15"],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                         env={**os.environ, "CRYOSLEEP_HOME": str(tmp / "home")})
-    assert p.stdout is not None
-    doc = ""
-    while True:
-        line = p.stdout.readline()
-        if not line:
-            raise AssertionError("the coordinator did not start")
-        doc += line
-        try:
-            return p, str(json.loads(doc)["listening"])
-        except ValueError:
-            continue
+def serve(tmp: Path, listen: str, db: str) -> tuple[subprocess.Popen[str], str]:
+    p = launch(tmp, listen, db)
+    return p, listening(p)
 
 
 @pytest.mark.parametrize("stage", ["draining", "capturing"])
-def test_coordinator_killed_mid_snapshot(tmp_path: Path, stage: str) -> None:
+def test_coordinator_killed_mid_snapshot(tmp_path: Path, db: str, stage: str) -> None:
     token = secrets.token_hex(16)
     (tmp_path / "token").write_text(token)
-    proc, url = serve(tmp_path, "127.0.0.1:0")
+    proc, url = serve(tmp_path, "127.0.0.1:0", db)
     fault = "targets" if stage == "draining" else "capture"
     c = SimCluster(url, token, tmp_path / "store", nnodes=3, nproc=2, seed=3, spread=6, wait_s=2,
                    faults={1: SimFaults(hang={fault})}).start()
@@ -55,10 +38,10 @@ def test_coordinator_killed_mid_snapshot(tmp_path: Path, stage: str) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         # what the dead coordinator left: a snapshot in progress, not valid
-        cat = Catalog(tmp_path / "catalog.db")
+        cat = Catalog(db)
         assert cat.snapshot(s["id"])["state"] == stage
         cat.close()
-        proc, url2 = serve(tmp_path, url.rsplit("/", 1)[1])  # same address: the agents come back by themselves
+        proc, url2 = serve(tmp_path, url.rsplit("/", 1)[1], db)  # same address: the agents come back by themselves
         assert url2 == url
         client = CoordinatorClient(url, token)
         row = client.snapshot_detail(s["id"])
@@ -77,6 +60,7 @@ def test_coordinator_killed_mid_snapshot(tmp_path: Path, stage: str) -> None:
         assert client.job("sim")["state"] == "running"
         # and the job can be snapshotted again through the new coordinator
         c.nodes[1].faults.hang.clear()
+        wait_for(lambda: client.job("sim")["snapshot_in_progress"] is None, 30, "the recovery's run ended")
         again = client.snapshot("sim", timeout_s=30)
         assert again["state"] == "verified", again.get("error")
     finally:
@@ -85,10 +69,10 @@ def test_coordinator_killed_mid_snapshot(tmp_path: Path, stage: str) -> None:
         proc.wait(10)
 
 
-def test_sigterm_mid_snapshot_rolls_back_before_exiting(tmp_path: Path) -> None:
+def test_sigterm_mid_snapshot_rolls_back_before_exiting(tmp_path: Path, db: str) -> None:
     token = secrets.token_hex(16)
     (tmp_path / "token").write_text(token)
-    proc, url = serve(tmp_path, "127.0.0.1:0")
+    proc, url = serve(tmp_path, "127.0.0.1:0", db)
     c = SimCluster(url, token, tmp_path / "store", nnodes=2, nproc=2, seed=3, wait_s=2,
                    faults={1: SimFaults(delay={"capture": 1.5})}).start()
     try:
@@ -97,7 +81,7 @@ def test_sigterm_mid_snapshot_rolls_back_before_exiting(tmp_path: Path) -> None:
         wait_for(lambda: "capture" in c.nodes[1].ops_of(s["id"]), 20, "node 1 capturing")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        cat = Catalog(tmp_path / "catalog.db")
+        cat = Catalog(db)
         row = cat.snapshot(s["id"])
         row["events"] = cat.events(snapshot=s["id"])
         cat.close()
@@ -113,13 +97,13 @@ def test_sigterm_mid_snapshot_rolls_back_before_exiting(tmp_path: Path) -> None:
             proc.wait(10)
 
 
-def test_recovery_never_touches_nodes_restored_since(tmp_path: Path) -> None:
+def test_recovery_never_touches_nodes_restored_since(tmp_path: Path, db: str) -> None:
     """The coordinator dies past the cut of a snapshot; before it comes back, the job's nodes are restored from
     an earlier snapshot (new agent incarnations under the same agent ids). The restarted coordinator's recovery
     of the old snapshot must not send them its abort, rebuild or end: they were never in it."""
     token = secrets.token_hex(16)
     (tmp_path / "token").write_text(token)
-    proc, url = serve(tmp_path, "127.0.0.1:0")
+    proc, url = serve(tmp_path, "127.0.0.1:0", db)
     old = SimCluster(url, token, tmp_path / "store", nnodes=2, nproc=2, seed=3, wait_s=2,
                      faults={1: SimFaults(hang={"capture"})}).start()
     new: SimCluster | None = None
@@ -133,7 +117,7 @@ def test_recovery_never_touches_nodes_restored_since(tmp_path: Path) -> None:
         new = SimCluster(url, token, tmp_path / "store2", nnodes=2, nproc=2, seed=3, wait_s=2)
         for r in new.runners:  # they register as soon as the coordinator is back
             r.start()
-        proc, _ = serve(tmp_path, url.rsplit("/", 1)[1])
+        proc, _ = serve(tmp_path, url.rsplit("/", 1)[1], db)
         client = CoordinatorClient(url, token)
         wait_for(lambda: client.snapshot_detail(s["id"])["finished_at"] is not None, 30, "recovery finished")
         row = client.snapshot_detail(s["id"])
@@ -149,13 +133,13 @@ def test_recovery_never_touches_nodes_restored_since(tmp_path: Path) -> None:
         proc.wait(10)
 
 
-def test_recovery_past_the_point_of_no_return_when_no_node_comes_back(tmp_path: Path) -> None:
+def test_recovery_past_the_point_of_no_return_when_no_node_comes_back(tmp_path: Path, db: str) -> None:
     """The coordinator dies after a stop snapshot's point of no return, and the nodes are gone too (they stopped
     by themselves, or their hosts went away): the restarted coordinator waits for them a bounded time, never
     sends to agents that did not register, and leaves the snapshot valid and the job suspended in it."""
     token = secrets.token_hex(16)
     (tmp_path / "token").write_text(token)
-    proc, url = serve(tmp_path, "127.0.0.1:0")
+    proc, url = serve(tmp_path, "127.0.0.1:0", db)
     c = SimCluster(url, token, tmp_path / "store", nnodes=2, nproc=2, seed=3, wait_s=2,
                    faults={1: SimFaults(hang={"stop"})}).start()
     try:
@@ -165,7 +149,7 @@ def test_recovery_past_the_point_of_no_return_when_no_node_comes_back(tmp_path: 
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         c.close()  # and the nodes are gone
-        proc, _ = serve(tmp_path, url.rsplit("/", 1)[1])
+        proc, _ = serve(tmp_path, url.rsplit("/", 1)[1], db)
         client = CoordinatorClient(url, token)
         wait_for(lambda: client.snapshot_detail(s["id"])["finished_at"] is not None, 30, "recovery finished")
         row = client.snapshot_detail(s["id"])

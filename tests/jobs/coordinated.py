@@ -24,10 +24,14 @@ FAST = ["--poll-wait", "2", "--lost-after", "3", "--rollback-timeout", "60"]
 
 
 class Coordinator:
-    """`cryosleep coordinator serve` on ``listen``; ``kill()`` and ``start()`` again on the same address."""
+    """`cryosleep coordinator serve` on ``listen``; ``kill()`` and ``start()`` again on the same address, or a
+    ``standby()`` on the same catalog and address that serves once it ``took_over()``."""
 
-    def __init__(self, tmp: Path, listen: str = "127.0.0.1:0", prefix: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, listen: str = "127.0.0.1:0", prefix: tuple[str, ...] = (),
+                 db: str | None = None) -> None:
         self.tmp = tmp
+        self.db = db or str(tmp / "catalog.db")  # an SQLite file, or a PostgreSQL URL
+        self.waiting: subprocess.Popen[str] | None = None  # a standby
         self.token = secrets.token_hex(16)
         self.token_file = tmp / "coordinator.token"
         self.token_file.write_text(self.token)
@@ -36,14 +40,34 @@ class Coordinator:
         self.url = ""
         self.start(listen)
 
-    def start(self, listen: str | None = None) -> None:
-        listen = listen or self.url.rsplit("/", 1)[1]
+    def _launch(self, listen: str) -> subprocess.Popen[str]:
         with open(self.tmp / "coordinator.log", "a") as log:
-            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "cryosleep.cli.main", "coordinator",
-                                          "serve", "--listen", listen, "--db", str(self.tmp / "catalog.db"),
-                                          "--token-file", str(self.token_file), "--json", *FAST],
-                                         stdout=subprocess.PIPE, stderr=log, text=True)
-        assert self.proc.stdout is not None
+            return subprocess.Popen([*self.prefix, sys.executable, "-m", "cryosleep.cli.main", "coordinator",
+                                     "serve", "--listen", listen, "--db", self.db,
+                                     "--token-file", str(self.token_file), "--json", *FAST],
+                                    stdout=subprocess.PIPE, stderr=log, text=True)
+
+    def start(self, listen: str | None = None) -> None:
+        self.proc = self._launch(listen or self.url.rsplit("/", 1)[1])
+        self._listening()
+
+    def standby(self) -> None:
+        """A second coordinator on the same catalog and address, waiting for the lease."""
+        log = self.tmp / "coordinator.log"
+        said = log.read_text().count("standby:")
+        self.waiting = self._launch(self.url.rsplit("/", 1)[1])
+        wait_for(lambda: log.read_text().count("standby:") > said, 60, "the standby waiting for the lease")
+
+    def took_over(self) -> None:
+        """The standby serves now (after the active one died): it is this coordinator from here on."""
+        assert self.waiting is not None
+        self.proc, self.waiting = self.waiting, None
+        url = self.url
+        self._listening()
+        assert self.url == url
+
+    def _listening(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
         doc = ""
         while True:
             line = self.proc.stdout.readline()
@@ -62,6 +86,9 @@ class Coordinator:
         self.proc.wait(10)
 
     def stop(self) -> None:
+        if self.waiting is not None and self.waiting.poll() is None:
+            self.waiting.terminate()
+            self.waiting.wait(30)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -25,6 +25,7 @@ from cryosleep.cut.driver import HOLD_GRACE_S
 from tests.conftest import require_criu
 from tests.jobs.coordinated import Coordinator, alive, wait_for
 from tests.jobs.harness import Harness, free_port, reference, workload
+from tests.pgserver import PgServer
 
 pytestmark = pytest.mark.slow
 
@@ -313,3 +314,52 @@ def test_nodes_at_the_cut_whose_coordinator_never_comes_back_end_on_their_own(co
         assert coord.job(JOB)["state"] == "running"
     finally:
         job.kill_everything()
+
+
+@pytest.mark.extended
+def test_a_standby_on_postgresql_takes_over_mid_snapshot_and_mid_restore(cryo_home: Path, tmp_path: Path,
+                                                                         pg: PgServer) -> None:
+    """The catalog on a real PostgreSQL server, a standby coordinator waiting on the same address. The active one
+    is SIGKILLed while node 1 captures a keep-running snapshot (aborted, the job goes on, snapshots again), then
+    past a stop snapshot's point of no return (valid, the job suspended in it), then while node 0's restore waits
+    at the barrier for node 1's: the restore completes through the standby, and the job trains on identically."""
+    require_criu()
+    coord = Coordinator(tmp_path, db=pg.database())
+    h = Harness(cryo_home)
+    job = Job(h, coord)
+
+    def take_over() -> None:
+        coord.kill()
+        coord.took_over()
+        coord.standby()  # the next standby, for the next fault
+
+    try:
+        coord.standby()
+        job.start()
+        row = faulted_snapshot(coord, job, "keep-running", "capture", take_over)
+        assert row["state"] == "aborted" and not row["valid"], row["state"]
+        assert any(e["kind"] == "recover" for e in row["events"])
+        wait_for(lambda: coord.job_state(JOB) == "running", 30, "every node of the job alive")
+        snapshot_again(coord)
+        job.assert_identical()
+        row = faulted_snapshot(coord, job, "stop", "stop", take_over)
+        assert row["state"] == "verified" and row["valid"], row["state"]
+        assert h.wait_end(NODES[0], 60) == 75 and h.wait_end(NODES[1], 60) == 75
+        assert coord.job(JOB)["state"] == "suspended"
+        sid = str(row["id"])
+        with ThreadPoolExecutor(2) as pool:
+            def restore(n: int) -> Any:
+                return h.cli_json("restore", "--detach", "--node-rank", str(n), "--coordinator", coord.url, sid,
+                                  env=job.env)
+            first = pool.submit(restore, 0)
+            wait_for(lambda: bool(coord.client().rendezvous(sid, prefix="ready/0")) or first.done(), 120,
+                     "node 0's restore at the barrier")
+            assert not first.done(), first.result()
+            take_over()
+            second = pool.submit(restore, 1)
+            first.result(), second.result()
+        wait_for(lambda: coord.job_state(JOB) == "running", 60, "the restored job's nodes registered")
+        job.assert_identical()
+    finally:
+        job.kill_everything()
+        coord.stop()

@@ -52,7 +52,7 @@ from cryosleep.coordinator.protocol import (
 )
 from cryosleep.core.interceptor import Cmd
 from cryosleep.cut.driver import HOLD_GRACE_S, Driver
-from cryosleep.errors import Busy, CaptureFailed, CryosleepError, InterceptorError, NotEligible, NotFound
+from cryosleep.errors import Busy, CaptureFailed, CryosleepError, InterceptorError, NotEligible, NotFound, Unreachable
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
@@ -61,6 +61,8 @@ STALL_FILE = "fault-stall"
 TARGETS_WAIT_S = 1.0  # how long a targets round waits for the ranks to answer before reporting what it sees
 READY_FRESH_S = 30.0  # a node's entry at a restore's barrier counts this long (a waiting node re-posts it)
 READY_REPOST_S = 10.0
+BOARD_RETRY_S = 0.5  # while no coordinator answers the board (a restart, a standby taking over)
+BOARD_RETRY_FOR_S = 30.0  # how long a post that waits on nothing else is tried
 FENCE_GRACE_S = 180.0  # past a snapshot's deadline by this much, a node still at its cut ends its workers
 FENCE_QUIET_S = 30.0  # ... provided its coordinator has sent it nothing for this long
 FENCE_ENV = "CRYOSLEEP_FENCE_GRACE_S"
@@ -508,7 +510,9 @@ class RestoreRendezvous:
       barrier (``failed`` again) tells the others, which stop waiting for its ids and end their part.
 
     The nodes that passed one barrier together share an attempt id (from the tokens they posted), so that what an
-    earlier, failed attempt left on the board is never taken."""
+    earlier, failed attempt left on the board is never taken. The board outlives its coordinator (it is in the
+    catalog's engine): while none answers (a restart, a standby taking over), each call is tried again until the
+    wait's own deadline."""
 
     def __init__(self, client: CoordinatorClient, sid: str, node_rank: int, nnodes: int, timeout: float,
                  log: Callable[[str], None] | None = None, underlay: str = "") -> None:
@@ -530,9 +534,22 @@ class RestoreRendezvous:
         return {f"ready/{self.node_rank}": {"ok": ok, "problems": problems, "gen": gen, "token": self.token,
                                             "host": socket.gethostname(), "underlay": self.underlay, **extra}}
 
+    def _board(self, until: float, put: dict[str, Any] | None = None, prefix: str | None = None,
+               min_keys: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
+        """One exchange with the board, tried again while no coordinator answers, until ``until`` (monotonic)."""
+        while True:
+            try:
+                return self.client.rendezvous(self.sid, put, prefix=prefix, min_keys=min_keys,
+                                              wait_s=min(wait_s, max(0.0, until - time.monotonic())))
+            except Unreachable as e:
+                if time.monotonic() >= until:
+                    raise
+                self.log(f"the coordinator does not answer ({e.why}); trying again")
+                time.sleep(BOARD_RETRY_S)
+
     def _post(self, put: dict[str, Any], what: str) -> None:
         try:
-            self.client.rendezvous(self.sid, put)
+            self._board(time.monotonic() + BOARD_RETRY_FOR_S, put)
         except CryosleepError as e:
             self.log(f"could not tell the other nodes that {what}: {e.what}")
 
@@ -562,9 +579,8 @@ class RestoreRendezvous:
         self.stage = "barrier"
         end = time.monotonic() + self.timeout
         while True:
-            items = self.client.rendezvous(self.sid, self._entry(True, [], gen), prefix="ready/",
-                                           min_keys=self.nnodes,
-                                           wait_s=min(READY_REPOST_S, max(0.0, end - time.monotonic())))
+            items = self._board(end, self._entry(True, [], gen), prefix="ready/", min_keys=self.nnodes,
+                                wait_s=READY_REPOST_S)
             since = time.monotonic() - self.started  # after the read: an entry posted since we began is younger
             ready = {k: v["value"] for k, v in items.items() if v["value"].get("ok") is True and (
                 self.token in v["value"]["passed"] if "passed" in v["value"] else v["age_s"] < READY_FRESH_S)}
@@ -611,7 +627,7 @@ class RestoreRendezvous:
     def exchange(self, gen: int, uids: dict[int, bytes], need: list[int], deadline: float) -> dict[int, bytes]:
         base = f"attempt/{self.attempt}/"
         prefix = f"{base}uid/{gen}/"
-        self.client.rendezvous(self.sid, {prefix + ident_hex(i): u.hex() for i, u in uids.items()})
+        self._board(deadline, {prefix + ident_hex(i): u.hex() for i, u in uids.items()})
         missing = {prefix + ident_hex(i): i for i in need}  # key on the board -> communicator
         got: dict[int, bytes] = {}
         while missing:
@@ -622,8 +638,7 @@ class RestoreRendezvous:
                                        + ", ".join(sorted(k.rsplit("/", 1)[1] for k in missing)),
                                        "is every node of the job restoring? see their logs")
             # the attempt's keys: this generation's ids, and any node's failure (which wakes the wait too)
-            items = self.client.rendezvous(self.sid, prefix=base, min_keys=len(uids) + len(need),
-                                           wait_s=min(5.0, left))
+            items = self._board(deadline, prefix=base, min_keys=len(uids) + len(need), wait_s=min(5.0, left))
             failed = {k.rsplit("/", 1)[1]: v["value"] for k, v in items.items() if k.startswith(base + "failed/")}
             if failed:
                 raise InterceptorError("the NCCL communicators could not be rebuilt across nodes",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -30,8 +31,12 @@ def add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s = csub.add_parser("serve", help="run the coordinator (HTTP API, catalog, snapshot state machine)")
     s.add_argument("--listen", default="127.0.0.1:7480", metavar="HOST:PORT",
                    help="address to listen on (port 0: any free port, printed at start)")
-    s.add_argument("--db", type=Path, default=None,
-                   help="the SQLite catalog (default $CRYOSLEEP_HOME/coordinator/catalog.db)")
+    s.add_argument("--db", default=None, metavar="PATH|URL",
+                   help="the catalog: an SQLite file (default $CRYOSLEEP_HOME/coordinator/catalog.db), or a "
+                        "PostgreSQL server shared with standby coordinators (postgresql://USER@HOST/DB)")
+    s.add_argument("--lease-ttl", type=float, default=service.LEASE_TTL_S,
+                   help="the lease's time to live (s): a standby (another `serve` on the same --db) takes over at "
+                        "most this long after this coordinator died")
     s.add_argument("--token-file", type=Path, required=True,
                    help="file holding the bearer token agents and clients must present (at least 16 characters)")
     s.add_argument("--poll-wait", type=float, default=20.0, help="longest an agent's poll is held open (s)")
@@ -84,10 +89,23 @@ def cmd_serve(a: argparse.Namespace) -> int:
     token = service.read_token(a.token_file)
     cfg = service.ServiceConfig(poll_wait_s=a.poll_wait, lost_after_s=a.lost_after, rollback_s=a.rollback_timeout)
     db = a.db or catalog.default_path()
-    srv, _thread = service.start(a.listen, db, token, cfg)
+
+    def on_wait(cur: dict[str, Any]) -> None:
+        sys.stderr.write(f"cryosleep coordinator: standby: {cur['holder']} serves ({cur['address']}, its lease "
+                         f"runs out in {max(0.0, cur['left_s']):.1f} s unless renewed); waiting to take over\n")
+        sys.stderr.flush()
+
+    def on_lost(_srv: service.Server, why: str) -> None:
+        sys.stderr.write(f"cryosleep coordinator: {why}: exiting (a standby may serve now)\n")
+        sys.stderr.flush()
+        os._exit(3)  # at once: whatever was in flight is the next coordinator's to recover
+
+    srv, _thread = service.start(a.listen, db, token, cfg, lease_ttl_s=a.lease_ttl, on_wait=on_wait,
+                                 on_lost=on_lost)
+    where = srv.coordinator.catalog.path
     if a.json:
-        emit_json({"listening": srv.url, "db": str(db)})
-    sys.stderr.write(f"cryosleep coordinator: listening on {srv.url}, catalog {db}\n")
+        emit_json({"listening": srv.url, "db": where, "engine": srv.coordinator.catalog.db.name})
+    sys.stderr.write(f"cryosleep coordinator: listening on {srv.url}, catalog {where}\n")
     sys.stderr.flush()
     done = threading.Event()
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from cryosleep import __version__
 from cryosleep.coordinator import client
-from cryosleep.errors import CryosleepError, UsageError
+from cryosleep.errors import CryosleepError, Unreachable, UsageError
 
 RETRY_MAX_S = 10.0
 ORDER_MARGIN_S = 120.0  # a restore's own --timeout, then this much more before the daemon gives up on it
@@ -232,7 +232,11 @@ def place_snapshot(a: argparse.Namespace) -> int:
                                      f"placement {st['id']}: " + ", ".join(f"node {n['node_rank']} on {n['host']} "
                                                                            f"{n['state']}" for n in st["nodes"]),
                                      "is `cryosleep host serve` still running on each host? see their logs")
-            st = link.placement(st["id"], wait_s=20.0, seen=st["version"])
+            try:
+                st = link.placement(st["id"], wait_s=20.0, seen=st["version"])
+            except Unreachable as down:  # a restart, a standby taking over: the placement is in the catalog
+                sys.stderr.write(f"cryosleep: the coordinator does not answer ({down.why}); trying again\n")
+                time.sleep(1.0)
     finally:
         link.close()
     out = {"snapshot": a.snapshot, "placement": st["id"], "state": st["state"],

@@ -1,8 +1,11 @@
-"""The coordinator's catalog: jobs, their node agents, snapshots and events, in SQLite.
+"""The coordinator's catalog: jobs, their node agents, snapshots and events; and, since schema 3, what the
+coordinator shares with a standby (coordinator/shared.py: the lease, the restores' boards, the hosts and the
+placements' orders).
 
-Default path ``$CRYOSLEEP_HOME/coordinator/catalog.db``. The SQL is plain (TEXT, INTEGER, REAL, no JSON
-functions, no upserts beyond ``INSERT OR IGNORE``) so that a server database can take its place later; JSON
-documents are stored as TEXT. The schema is versioned in ``meta`` and migrated forward on open.
+In SQLite by default (``$CRYOSLEEP_HOME/coordinator/catalog.db``), or in PostgreSQL (``--db postgresql://...``):
+one SQL for both (coordinator/engine.py holds what differs). The SQL is plain (TEXT, INTEGER, REAL, no JSON
+functions, ``INSERT ... ON CONFLICT`` for upserts); JSON documents are stored as TEXT. The schema is versioned
+in ``meta`` and migrated forward on open.
 
 Snapshot states::
 
@@ -20,18 +23,18 @@ told to end its workers, so a coordinator that restarts then knows the snapshot 
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from cryosleep import paths
+from cryosleep.coordinator.engine import Engine, open_engine
 from cryosleep.errors import CryosleepError, NotFound, UsageError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 FINAL = ("verified", "failed", "aborted")
 
 _SCHEMA_V1 = """
@@ -64,6 +67,23 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_snapshot ON events (snapshot);
 """
 
+# v3: what an active coordinator shares with its standby (coordinator/shared.py)
+_SCHEMA_V3 = """
+CREATE TABLE IF NOT EXISTS leases (
+  name TEXT PRIMARY KEY, holder TEXT NOT NULL, address TEXT NOT NULL, expires_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS board (
+  board TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL, ts REAL NOT NULL, PRIMARY KEY (board, key)
+);
+CREATE TABLE IF NOT EXISTS hosts (name TEXT PRIMARY KEY, facts TEXT NOT NULL, seen_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS orders (
+  id TEXT PRIMARY KEY, placement TEXT NOT NULL, host TEXT NOT NULL, snapshot TEXT NOT NULL,
+  node_rank INTEGER NOT NULL, peers TEXT NOT NULL, timeout_s REAL NOT NULL, state TEXT NOT NULL,
+  result TEXT, error TEXT, updated_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS orders_placement ON orders (placement, node_rank);
+"""
+
 
 def default_path() -> Path:
     return paths.home() / "coordinator" / "catalog.db"
@@ -78,21 +98,13 @@ def _l(s: str | None) -> Any:
 
 
 class Catalog:
-    """One SQLite database, shared by the coordinator's threads (one connection, serialized by a lock)."""
+    """One database (an SQLite file, or a ``postgresql://`` URL), shared by the coordinator's threads (one
+    connection, serialized by a lock)."""
 
     def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
-        except (OSError, sqlite3.Error) as e:
-            raise CryosleepError(f"the coordinator's catalog {self.path} cannot be opened", str(e),
-                                 "check the path and its permissions (--db)") from e
-        self.db.row_factory = sqlite3.Row
+        self.db: Engine = open_engine(path)
+        self.path = self.db.where  # what messages call it (a URL without its password)
         self.lock = threading.RLock()
-        with self.lock:
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
         self._migrate()
 
     def close(self) -> None:
@@ -100,12 +112,12 @@ class Catalog:
             self.db.close()
 
     @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
+    def tx(self) -> Iterator[Engine]:
         with self.lock:
             if self.db.in_transaction:
                 yield self.db
                 return
-            self.db.execute("BEGIN IMMEDIATE")
+            self.db.begin()
             try:
                 yield self.db
             except BaseException:
@@ -114,23 +126,23 @@ class Catalog:
             self.db.execute("COMMIT")
 
     def _migrate(self) -> None:
-        with self.lock:
-            self.db.executescript(_SCHEMA_V1)
-            with self.tx() as c:
-                row = c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-                have = int(row["value"]) if row else 0
-                if have > SCHEMA_VERSION:
-                    raise CryosleepError(f"the catalog {self.path} has schema version {have}",
-                                         f"this cryosleep understands versions up to {SCHEMA_VERSION}",
-                                         "upgrade cryosleep, or point --db at another file")
-                # ALTER TABLE steps from `have` up to SCHEMA_VERSION
-                if have < 2:  # v2: the incarnation of each node's agent in the snapshot (a restart's recovery
-                    # must not take a later incarnation, e.g. a node restored since, for the one it was in)
-                    cols = {r["name"] for r in c.execute("PRAGMA table_info(snapshot_nodes)").fetchall()}
-                    if "incarnation" not in cols:
-                        c.execute("ALTER TABLE snapshot_nodes ADD COLUMN incarnation TEXT NOT NULL DEFAULT ''")
-                c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
-                          (str(SCHEMA_VERSION),))
+        with self.tx() as c:
+            c.lock_schema()
+            c.script(_SCHEMA_V1)
+            row = c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            have = int(row["value"]) if row else 0
+            if have > SCHEMA_VERSION:
+                raise CryosleepError(f"the catalog {self.path} has schema version {have}",
+                                     f"this cryosleep understands versions up to {SCHEMA_VERSION}",
+                                     "upgrade cryosleep, or point --db at another file")
+            # ALTER TABLE steps from `have` up to SCHEMA_VERSION
+            # v2: the incarnation of each node's agent in the snapshot (a restart's recovery must not take a
+            # later incarnation, e.g. a node restored since, for the one it was in)
+            if have < 2 and "incarnation" not in c.columns("snapshot_nodes"):
+                c.execute("ALTER TABLE snapshot_nodes ADD COLUMN incarnation TEXT NOT NULL DEFAULT ''")
+            c.script(_SCHEMA_V3)  # v3: new tables only
+            c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
+                      "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
 
     def schema_version(self) -> int:
         with self.lock:
@@ -273,7 +285,7 @@ class Catalog:
         now = time.time()
         with self.tx() as c:
             c.execute("UPDATE snapshots SET state = 'verified', verified_at = ?, ponr_at = ?, phases = ?, "
-                      "finished_at = CASE WHEN ? THEN NULL ELSE ? END WHERE id = ?",
+                      "finished_at = CASE WHEN ? = 1 THEN NULL ELSE ? END WHERE id = ?",
                       (now, now if ponr else None, _j(phases), int(ponr), now, sid))
             c.execute("UPDATE snapshot_nodes SET state = 'verified' WHERE snapshot = ?", (sid,))
             c.execute("UPDATE jobs SET last_snapshot = ?, updated_at = ?, state = ? WHERE name = ?",
@@ -293,7 +305,7 @@ class Catalog:
         return out
 
     @staticmethod
-    def _snap_row(r: sqlite3.Row) -> dict[str, Any]:
+    def _snap_row(r: Mapping[str, Any]) -> dict[str, Any]:
         d = dict(r)
         d["phases"] = _l(r["phases"]) or {}
         d["error"] = _l(r["error"])

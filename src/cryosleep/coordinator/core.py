@@ -20,6 +20,7 @@ from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.placement import Placements
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
 from cryosleep.coordinator.rendezvous import Board
+from cryosleep.coordinator.shared import SharedStore
 from cryosleep.errors import Busy, NotEligible, NotFound, ProtocolError, UsageError
 
 
@@ -50,8 +51,9 @@ class Coordinator:
         # a held poll looks at its connection a few times per lost_after_s (every 0.5 s wake-up of 2,048 held
         # polls was 4,096 acquisitions of the hub's lock a second)
         self.hub = Hub(self.cfg.redeliver_s, gone_check_s=max(0.5, self.cfg.lost_after_s / 4))
-        self.board = Board()  # multi-node restores meet here (coordinator/rendezvous.py)
-        self.placements = Placements()  # host daemons, and snapshots placed on them (coordinator/placement.py)
+        shared = SharedStore(catalog)  # written through, loaded back by a successor (coordinator/shared.py)
+        self.board = Board(shared)  # multi-node restores meet here (coordinator/rendezvous.py)
+        self.placements = Placements(store=shared)  # host daemons, and snapshots placed on them (placement.py)
         self.lock = threading.Lock()
         self.active: dict[str, SnapshotRun] = {}  # job -> its snapshot in progress
         self.threads: list[threading.Thread] = []

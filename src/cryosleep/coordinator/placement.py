@@ -11,8 +11,11 @@ other hosts' underlay addresses: ``--net-peers`` is not given by hand). Each hos
 (rendezvous.py), so that nothing starts unless every node can restore. The placement's state is read back
 (long poll) until every order is done or failed.
 
-Hosts, orders and placements live in the coordinator's memory: a coordinator restart forgets them (the hosts
-register again with their next poll; a placement in progress is asked again).
+Hosts, orders and placements live in the coordinator's memory, written through to the catalog's engine
+(coordinator/shared.py: each order at every change of state, each host when it first polls, when its facts change
+and every ``HOST_WRITE_S``): a restarted coordinator, or a standby taking over, loads them back, so that a
+placement in progress goes on (its orders are delivered again if they were not reported running, and their
+reports are taken).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cryosleep.coordinator.shared import SharedStore
 from cryosleep.errors import Busy, NotEligible, NotFound, UsageError
 
 HOST_FRESH_S = 60.0  # a host that has not polled for this long is not offered for a placement
@@ -31,6 +35,7 @@ MAX_WAIT_S = 30.0
 REDELIVER_S = 10.0  # an order delivered but not reported running is delivered again (the daemon drops repeats)
 FINAL = ("done", "failed")
 KEEP_S = 24 * 3600.0  # finished placements are forgotten after this long
+HOST_WRITE_S = 10.0  # a polling host's last-seen time is written through this often
 
 
 @dataclass
@@ -64,17 +69,30 @@ class HostEntry:
     facts: dict[str, Any]
     seen: float
     polling: int = 0  # polls open now
+    written: float = 0.0  # when it was last written through (monotonic)
 
 
 class Placements:
     """The hosts, their orders and the placements (thread-safe; one condition wakes every waiter)."""
 
-    def __init__(self, fresh_s: float = HOST_FRESH_S) -> None:
+    def __init__(self, fresh_s: float = HOST_FRESH_S, store: SharedStore | None = None) -> None:
         self.cond = threading.Condition()
         self.fresh_s = fresh_s
+        self.store = store
         self.hosts: dict[str, HostEntry] = {}
         self.orders: dict[str, Order] = {}
         self.placements: dict[str, list[str]] = {}  # placement id -> its orders, by node rank
+        if store is not None:  # what a previous coordinator left (a restart, a standby's takeover)
+            for name, facts, seen in store.hosts():
+                self.hosts[name] = HostEntry(name, facts, seen, written=seen)
+            for d in store.orders():
+                o = self.orders[d["id"]] = Order(**d)
+                self.placements.setdefault(o.placement, []).append(o.id)
+
+    def _write(self, *orders: Order) -> None:
+        if self.store is not None:
+            for o in orders:
+                self.store.order_put(o.to_json())
 
     # ---- the host daemons' side --------------------------------------------------------------------------------
 
@@ -87,11 +105,16 @@ class Placements:
         end = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
         with self.cond:
             host = self.hosts.get(name)
+            new = host is None
             if host is None:
                 host = self.hosts[name] = HostEntry(name, facts, time.monotonic())
             host.seen = time.monotonic()
+            changed = bool(facts) and facts != host.facts
             if facts:
                 host.facts = facts
+            if self.store is not None and (new or changed or host.seen - host.written > HOST_WRITE_S):
+                self.store.host_put(name, host.facts)
+                host.written = host.seen
             host.polling += 1
             try:
                 while True:
@@ -104,6 +127,7 @@ class Placements:
                     if mine or left <= 0:
                         for o in mine:
                             o.state, o.updated = "delivered", time.monotonic()
+                        self._write(*mine)
                         self.cond.notify_all()
                         return {"orders": [o.to_json() for o in mine]}
                     self.cond.wait(min(left, 1.0))
@@ -127,6 +151,7 @@ class Placements:
                     o.result = body["result"]
                 if isinstance(body.get("error"), dict):
                     o.error = body["error"]
+                self._write(o)
             self.cond.notify_all()
             return o.to_json()
 
@@ -230,6 +255,7 @@ class Placements:
                 self.orders[o.id] = o
                 oids.append(o.id)
             self.placements[pid] = oids
+            self._write(*(self.orders[o] for o in oids))
             self.cond.notify_all()
             return self._status(pid)
 
@@ -263,3 +289,5 @@ class Placements:
                 for o in oids:
                     del self.orders[o]
                 del self.placements[pid]
+                if self.store is not None:
+                    self.store.orders_drop(oids)

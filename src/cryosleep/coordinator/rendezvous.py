@@ -11,7 +11,9 @@ A multi-node restore (``cryosleep restore SNAPSHOT --node-rank I`` on each host,
 
 One request both posts and reads (``POST /v1/snapshots/{sid}/restore`` with ``put`` and ``get``); a read may wait
 (long poll) until at least ``min`` keys with the prefix exist. The board is lost with the coordinator: a restore
-in progress then fails and is run again. Entries older than ``KEEP_S`` are dropped.
+in progress survives a coordinator's restart or a standby's takeover: every post is written through to the
+catalog's engine (coordinator/shared.py) and loaded back by the next coordinator. Entries older than ``KEEP_S``
+are dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from cryosleep.coordinator.shared import SharedStore
 from cryosleep.errors import UsageError
 
 KEEP_S = 3600.0
@@ -28,15 +31,19 @@ MAX_KEYS = 4096  # per snapshot: a node's ready entry and one id per communicato
 
 
 class Board:
-    def __init__(self) -> None:
+    def __init__(self, store: SharedStore | None = None) -> None:
         self.cond = threading.Condition()
-        self.entries: dict[str, dict[str, tuple[Any, float]]] = {}
+        self.store = store
+        self.entries: dict[str, dict[str, tuple[Any, float]]] = store.boards() if store is not None else {}
 
     def _expire(self, now: float) -> None:
         for sid in list(self.entries):
             keys = self.entries[sid]
-            for k in [k for k, (_, t) in keys.items() if now - t > KEEP_S]:
+            old = [k for k, (_, t) in keys.items() if now - t > KEEP_S]
+            for k in old:
                 del keys[k]
+            if old and self.store is not None:
+                self.store.board_drop(sid, old)
             if not keys:
                 del self.entries[sid]
 
@@ -52,6 +59,8 @@ class Board:
                 keys = self.entries.setdefault(sid, {})
                 if len(keys) + len(put) > MAX_KEYS:
                     raise UsageError(f"too many keys for the restore of {sid}", f"at most {MAX_KEYS}", "")
+                if self.store is not None:  # first: what was answered as posted is there for a successor
+                    self.store.board_put(sid, put)
                 for k, v in put.items():
                     keys[str(k)] = (v, now)
                 self.cond.notify_all()

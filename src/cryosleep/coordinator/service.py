@@ -49,11 +49,13 @@ from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
 from cryosleep.coordinator.metrics import CONTENT_TYPE_LATEST
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION
+from cryosleep.coordinator.shared import Lease
 from cryosleep.errors import CryosleepError, NotFound, Unauthorized, UsageError
 
 __all__ = ["Coordinator", "Server", "ServiceConfig", "parse_listen", "read_token", "shutdown", "start"]
 
 MAX_BODY = 64 << 20
+LEASE_TTL_S = 10.0  # a standby takes over at most this long after the active coordinator died
 
 
 def read_token(path: Path | str) -> str:
@@ -103,6 +105,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, addr: tuple[str, int], coordinator: Coordinator, token: str) -> None:
         self.coordinator = coordinator
         self.token = token.encode()
+        self.lease: Lease | None = None
         super().__init__(addr, Handler)
 
     @property
@@ -311,17 +314,40 @@ def parse_listen(s: str) -> tuple[str, int]:
 
 
 def start(listen: str, db: Path | str, token: str, cfg: ServiceConfig | None = None,
-          log: Callable[[str], None] | None = None) -> tuple[Server, threading.Thread]:
-    """The service in a background thread (tests, the bench); ``serve`` runs it in the foreground."""
-    coord = Coordinator(Catalog(db), cfg, log)
+          log: Callable[[str], None] | None = None, lease_ttl_s: float = LEASE_TTL_S,
+          on_wait: Callable[[dict[str, Any]], None] | None = None,
+          on_lost: Callable[[Server, str], None] | None = None) -> tuple[Server, threading.Thread]:
+    """The service in a background thread (tests, the bench); ``serve`` runs it in the foreground.
+
+    It serves only while it holds the catalog's lease (coordinator/shared.py): a standby waits here (``on_wait``
+    told who holds it) until the active coordinator's lease ran out or was released, then recovers what that one
+    left unfinished and only then listens. ``on_lost(server, why)`` once the lease is lost (default: the server
+    stops serving)."""
+    catalog = Catalog(db)
+    lease = Lease(catalog, lease_ttl_s, address=listen, log=log)
+    lease.acquire(on_wait)
+    coord = Coordinator(catalog, cfg, log)
     try:
         srv = Server(parse_listen(listen), coord, token)
     except OSError as e:
         coord.close()
+        lease.release()
         raise CryosleepError(f"the coordinator cannot listen on {listen}", str(e),
                              "choose another --listen address or port") from e
+    srv.lease = lease
+    lease.address = srv.url
+    lease.try_take()  # renewed now, with the address it serves on (what a standby and an operator read)
     t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True)
     t.start()
+
+    def lost(why: str) -> None:
+        coord.log(f"stopping: {why}; another coordinator may serve now")
+        if on_lost is not None:
+            on_lost(srv, why)
+        else:
+            threading.Thread(target=shutdown, args=(srv,), name="lease-lost", daemon=True).start()
+
+    lease.keep(lost)
     return srv, t
 
 
@@ -329,3 +355,5 @@ def shutdown(srv: Server) -> None:
     srv.coordinator.close()
     srv.shutdown()
     srv.server_close()
+    if srv.lease is not None:  # after the last answer: a standby takes over at once
+        srv.lease.release()

@@ -61,12 +61,23 @@ def nsenter_net(pid: int) -> list[str]:
     return ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
 
 
-def state(pid: int) -> str:
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (field 3 on), [] if there is no such process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return "gone"
-    return stat.rsplit(")", 1)[1].split()[0]
+        return []
+
+
+def state(pid: int) -> str:
+    fields = _stat(pid)
+    return fields[0] if fields else "gone"
+
+
+def start_time(pid: int) -> str:
+    """When ``pid`` started (clock ticks since boot), "" if there is none: with the pid, it names one process."""
+    fields = _stat(pid)
+    return fields[19] if fields else ""
 
 
 def ns_pid(pid: int) -> int | None:
