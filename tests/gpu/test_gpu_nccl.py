@@ -1,4 +1,5 @@
-"""GPU acceptance for NCCL jobs on a 2-GPU machine (skipped with fewer GPUs, as in CI).
+"""GPU acceptance for NCCL jobs on a 2-GPU machine (skipped with fewer GPUs, as in CI; the expandable segments'
+test runs with one rank per GPU there is, from one GPU up).
 
 Run there as root: NCCL_NVLS_ENABLE=0 PYTHONPATH=src:. python3 -m pytest -v tests/gpu/test_gpu_nccl.py
 """
@@ -14,7 +15,8 @@ from tests.conftest import require_criu
 from tests.gpu.test_gpu_cycle import WORKLOAD, gpu_count, identical
 from tests.jobs.harness import Harness, reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason="needs an NVIDIA GPU and libcuda")]
+two_gpus = pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")
 
 
 @pytest.fixture
@@ -24,6 +26,7 @@ def h(cryo_home: Path) -> Harness:
     return Harness(cryo_home)
 
 
+@two_gpus
 @pytest.mark.parametrize("extra,fast", [([], False), (["--async-groups"], False), ([], True)],
                          ids=["ddp", "two-groups-async", "ddp-fast-path"])
 def test_two_rank_nccl_three_keep_running_stop_restore(h: Harness, tmp_path: Path, extra: list[str],
@@ -54,17 +57,17 @@ def test_fast_path_moves_pytorchs_expandable_segments(h: Harness, tmp_path: Path
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """PyTorch's expandable segments map their memory through the driver's VMM calls themselves (cuMemCreate,
     cuMemMap): the fast path moves that memory too (vmm.c, virtual handles), on every rank, and the job continues
-    bit-identically after keep-running and stop + restore snapshots. (Prepared on the CPU stand-in; not yet run
-    on a GPU.)"""
+    bit-identically after keep-running and stop + restore snapshots. One rank per GPU, up to 2."""
+    nproc = min(2, gpu_count())
     for set_env in (lambda k, v: monkeypatch.setitem(h.env, k, v), monkeypatch.setenv):  # the job's, the reference's
         set_env("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     linger = tmp_path / "linger"
     args = ["--steps", "300", "--step-sleep", "0.05", "--linger", str(linger)]
-    h.run("expand", WORKLOAD, args, nproc=2, flags=("--fast-path",))
+    h.run("expand", WORKLOAD, args, nproc=nproc, flags=("--fast-path",))
     h.wait_step("expand", 10)
     s = h.snapshot("expand")
     fast = h.cli_json("show", s["snapshot"])["nodes"][0]["gpu"]["fast_path"]
-    assert fast["plain"] == {} and sorted(fast["ranks"]) == ["0", "1"], fast
+    assert fast["plain"] == {} and sorted(fast["ranks"]) == [str(r) for r in range(nproc)], fast
     assert all(e["plan"]["mapped"]["bytes"] > 0 for e in fast["ranks"].values()), fast  # the segments were moved
     h.wait_step("expand", 20)
     stop = h.snapshot("expand", "--stop")
@@ -72,9 +75,10 @@ def test_fast_path_moves_pytorchs_expandable_segments(h: Harness, tmp_path: Path
     h.restore(stop["snapshot"])
     linger.touch()
     assert h.wait_end("expand") == 0
-    identical(h, "expand", args, 2)
+    identical(h, "expand", args, nproc)
 
 
+@two_gpus
 def test_fast_path_holds_a_thread_that_wakes_and_submits_through_cublas(h: Harness, tmp_path: Path) -> None:
     """A thread outside the training loop wakes every 20 ms and multiplies matrices through cuBLAS (the driver API)
     on its own stream: while the fast path has the device memory out, its launches wait at the driver gate and
@@ -99,6 +103,7 @@ def test_fast_path_holds_a_thread_that_wakes_and_submits_through_cublas(h: Harne
     identical(h, "side", args, 2)
 
 
+@two_gpus
 def test_two_rank_restore_with_ranks_swapped_across_gpus(h: Harness) -> None:
     args = ["--steps", "40", "--step-sleep", "0.05"]
     h.run("swap", WORKLOAD, args, nproc=2)
@@ -113,6 +118,7 @@ def test_two_rank_restore_with_ranks_swapped_across_gpus(h: Harness) -> None:
 IPC_WORKLOAD = Path(__file__).parent / "workloads" / "ipc_share.py"
 
 
+@two_gpus
 def test_cuda_ipc_import_refuses_the_snapshot_until_released(h: Harness) -> None:
     """A worker holding a CUDA tensor from another process (torch.multiprocessing): the interceptor's
     cudaIpcOpenMemHandle wrapper flags it, the snapshot is refused before any process is touched, the job
