@@ -2,24 +2,24 @@
 
 Each role runs as root (uid 0) with these capabilities and no others (the rest dropped from the bounding set: a
 container's ``cap_drop: [ALL]`` and ``cap_add``, systemd's ``CapabilityBoundingSet=``, ``setpriv
---bounding-set``). What each one is for:
+--bounding-set``). Found by running a job, stopping it by a snapshot and restoring it with one capability less
+at a time (tests/jobs/test_privileges.py keeps the result true). What each one is for:
 
 ==================== ======================================================================================
 CAP_SYS_ADMIN        the sandbox's PID and mount namespaces and its /proc; CRIU's namespaces, mounts,
-                     /proc/PID/map_files, PR_SET_MM at restore
+                     /proc/PID/map_files, PR_SET_MM, the restored PIDs (it covers CAP_CHECKPOINT_RESTORE)
 CAP_SYS_PTRACE       CRIU seizes the job's processes, reads and writes their memory (parasite)
-CAP_CHECKPOINT_RESTORE  CRIU's PID choice at restore (clone3 set_tid, ns_last_pid)
 CAP_NET_ADMIN        CRIU's TCP repair mode (gloo, TCPStore sockets), the nftables lock during a dump, the job
                      network's namespace and veth (``--net``)
-CAP_SETUID/SETGID    CRIU restores each task's credentials (setresuid, setgroups)
-CAP_SETPCAP          CRIU restores each task's capability and bounding sets
-CAP_CHOWN, CAP_FOWNER  CRIU and the restore put files back with their owner and mode
-CAP_DAC_OVERRIDE     CRIU opens the job's files (the images, /proc) whatever their modes
-CAP_KILL             the agent signals the job's processes, CRIU stops them
 CAP_SYS_TIME         (restore) CRIU sets the restored time namespace's clock offsets
 CAP_SYS_CHROOT       (restore) CRIU enters the restored mount namespace and comes back (setns)
+CAP_SETPCAP          (restore) CRIU restores each task's bounding set (without it CRIU's restorer hits a BUG and
+                     the restore hangs: the up-front refusal matters)
 ==================== ======================================================================================
 
+Not needed (each dropped alone, the cycle still passed): CAP_CHECKPOINT_RESTORE, CAP_KILL, CAP_DAC_OVERRIDE,
+CAP_CHOWN, CAP_FOWNER, CAP_SETUID, CAP_SETGID (and CAP_SETPCAP at a snapshot): every process of the job and
+every file is root's.
 The coordinator needs none (it runs as any user).
 """
 
@@ -39,13 +39,12 @@ NAMES = ("chown", "dac_override", "dac_read_search", "fowner", "fsetid", "kill",
          "checkpoint_restore")
 """Capability numbers, in order (linux/capability.h)."""
 
-SNAPSHOT: frozenset[str] = frozenset({"sys_admin", "sys_ptrace", "checkpoint_restore", "net_admin", "kill",
-                                      "dac_override", "setpcap", "setuid", "setgid", "chown", "fowner"})
+SNAPSHOT: frozenset[str] = frozenset({"sys_admin", "sys_ptrace", "net_admin"})
 """What the agent (``cryosleep run``: its sandbox, its snapshots) needs."""
-RESTORE: frozenset[str] = SNAPSHOT | {"sys_time", "sys_chroot"}
+RESTORE: frozenset[str] = SNAPSHOT | {"sys_time", "sys_chroot", "setpcap"}
 """What a restore (``cryosleep restore``, and the host daemon that starts restores) needs: the agent's set (the
-restored job is run and snapshotted by the same agent), and CRIU's time namespace offsets and its return to its
-own mount namespace."""
+restored job is run and snapshotted by the same agent), CRIU's time namespace offsets, its return to its own mount
+namespace, and the restored tasks' bounding sets."""
 
 
 def effective(pid: int | str = "self") -> frozenset[str]:
