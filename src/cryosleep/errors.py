@@ -24,7 +24,9 @@ Every error says what failed, why, and what to do next, and has a JSON form for 
      +-- InterceptorError       a control block is missing, malformed, or its interceptor did not answer
      +-- NetError               the job network could not be set up or changed
      +-- ProtocolError          a coordinator message was malformed or out of place
-     +-- Unauthorized           a coordinator request without the job's token
+     +-- Unauthorized           a coordinator request without a credential it knows (or from a refused address)
+     +-- Forbidden              a coordinator request with a credential that may not do that (another job, tenant)
+     +-- TlsError               the TLS handshake with the coordinator failed (a certificate not trusted)
      +-- Unreachable            the coordinator did not answer
 
 Exceptions that never reach a user stay private to their module (a notice endpoint's failed poll, a
@@ -163,6 +165,14 @@ class ProtocolError(CryosleepError):
 
 class Unauthorized(CryosleepError):
     kind = "unauthorized"
+
+
+class Forbidden(CryosleepError):
+    kind = "forbidden"
+
+
+class TlsError(CryosleepError):
+    kind = "tls"
 
 
 class Unreachable(CryosleepError):

@@ -50,7 +50,8 @@ def test_plain_process_is_eligible_and_a_dead_one_is_not(tmp_path: Path) -> None
 
 def test_system_checks_report_every_item(cryo_home: Path) -> None:
     names = [c.name for c in eligibility.system_checks()]
-    assert names[:4] == ["kernel", "privileges", "pid namespaces", "sandbox init"]
+    assert names[:6] == ["kernel", "privileges", "capabilities (run, snapshot)", "capabilities (restore)",
+                         "pid namespaces", "sandbox init"]
     assert "criu" in names
 
 
@@ -102,3 +103,16 @@ def test_managed_memory_is_the_uvm_mappings_beyond_the_drivers_own() -> None:
     # a file merely named like the device, or another device, does not count
     assert eligibility.managed_memory_bytes(
         "7f3000000000-7f3004000000 r--p 00000000 08:01 77   /tmp/dev/nvidia-uvm\n") == 0
+
+
+def test_a_missing_capability_is_named_and_refused() -> None:
+    """core/privileges.py reads the process's effective set; a set with one capability less is named (the job-level
+    test, tests/jobs/test_privileges.py, runs a whole snapshot and restore under the exact sets)."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping a capability from the bounding set needs root")
+    probe = ("from cryosleep.core import privileges as p\nprint(p.missing(p.RESTORE))\n"
+             "p.require(p.RESTORE, 'restoring')")
+    got = subprocess.run(["setpriv", "--bounding-set=-net_admin,-sys_time", "--", sys.executable, "-c", probe],
+                         capture_output=True, text=True, check=False)
+    assert got.stdout.strip() == "['CAP_NET_ADMIN', 'CAP_SYS_TIME']", got
+    assert "NotEligible" in got.stderr and "missing CAP_NET_ADMIN, CAP_SYS_TIME" in got.stderr, got.stderr

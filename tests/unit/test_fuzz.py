@@ -1,6 +1,7 @@
 """Property-based tests (Hypothesis) over every parser here that reads what another party wrote: a snapshot's
 manifest, the chunk store's index and its chunks' headers, the NCCL interceptors' control blocks, the clouds'
-notice payloads, and durations and destinations given on the command line. Each input ends in a clear
+notice payloads, durations and destinations given on the command line, and the coordinator's request bodies,
+credentials and credentials file. Each input ends in a clear
 CryosleepError (or the parser's documented error, or a result), never another exception, a hang, or a write
 outside the job's files. Deterministic and bounded (``derandomize``, no example database): the whole set runs
 in well under a minute."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import tempfile
 import time
@@ -24,6 +26,8 @@ from hypothesis import strategies as st
 
 from cryosleep.capture import files
 from cryosleep.capture.outbound import Dest
+from cryosleep.coordinator import security, service
+from cryosleep.coordinator.client import Http
 from cryosleep.core import interceptor as icp
 from cryosleep.cut.rules import RankView, max_targets
 from cryosleep.errors import CryosleepError, UsageError
@@ -327,6 +331,71 @@ def test_destinations_parse_or_are_refused(text: str) -> None:
         return
     assert d.port is None or 0 < d.port < 65536
     assert Dest.parse(str(d)) == d
+
+
+# ------------------------------------------------------------------- the coordinator's requests
+
+
+@pytest.fixture(scope="module")
+def coordinator(home: Path) -> Iterator[tuple[service.Server, str]]:
+    token = "fuzz-admin-" + os.urandom(8).hex()
+    cfg = service.ServiceConfig(poll_wait_s=0.01, lost_after_s=1.0, rollback_s=2.0, redeliver_s=0.5,
+                                default_timeout_s=2.0)
+    srv, _ = service.start("127.0.0.1:0", home / "fuzz-catalog.db", token, cfg, log=lambda _m: None)
+    h = Http(srv.url, token)
+    h.call("POST", "/v1/agents/register", {"job": "fz", "nnodes": 1, "node_rank": 0, "incarnation": "i"})
+    yield srv, token
+    h.close()
+    service.shutdown(srv)
+    srv.coordinator.catalog.close()
+
+
+ROUTE_PATHS = [(m, pat.pattern.strip("^$"), name) for m, pat, name in service.ROUTES]
+FIELDS = sorted({k for f in security.BODY_FIELDS.values() for k in f} | {"prefix", "min", "put", "value"})
+
+
+def _clamp_waits(v: Any) -> Any:
+    """The service bounds every wait itself (30 s at most); the fuzzer's examples must not each take that long."""
+    if isinstance(v, dict):
+        return {k: (0 if k == "wait_s" and isinstance(v[k], int | float) and not isinstance(v[k], bool)
+                    else _clamp_waits(v[k])) for k in v}
+    return [_clamp_waits(x) for x in v] if isinstance(v, list) else v
+
+
+@FUZZ
+@given(route=st.sampled_from(ROUTE_PATHS), param=st.sampled_from(["fz", "fz@0", "sim", "..", "%00"]) | st.text(
+       "abc@-_%./", max_size=8),
+       body=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=6)
+       | json_values, query=st.sampled_from(["", "?valid=1", "?job=fz", "?wait_s=x", "?wait_s=0&seen=1"]))
+def test_any_request_body_is_answered_or_refused_never_a_crash(coordinator: tuple[service.Server, str],
+                                                               route: tuple[str, str, str], param: str, body: Any,
+                                                               query: str) -> None:
+    """Any JSON (or not) to any endpoint, as an admin (the widest access): an answer, or a 4xx error with what,
+    why and what to do; never a 500 (an exception the service did not expect)."""
+    srv, token = coordinator
+    method, pattern, _name = route
+    path = re.sub(r"\(\?P<[a-z]+>\[\^/\]\+\)", param.replace("/", "%2F") or "x", pattern) + query
+    h = Http(srv.url, token)
+    try:
+        h.call(method, path, _clamp_waits(body) if method == "POST" else None)
+    except CryosleepError as e:
+        assert type(e) is not CryosleepError and e.what, (path, body, e)
+    finally:
+        h.close()
+
+
+@settings(FUZZ, max_examples=50)
+@given(header=st.text(max_size=80) | st.builds(lambda t: f"Bearer {security.AGENT_PREFIX}{t}", st.text(max_size=80)),
+       doc=json_values)
+def test_any_credential_or_credentials_file_is_a_principal_none_or_refused(header: str, doc: Any) -> None:
+    creds = security.Credentials.parse({"admin": ["a" * 16], "tenants": {"t": {"tokens": ["b" * 16],
+                                                                              "jobs": ["t-*"]}}})
+    got = creds.authenticate(header)
+    assert got is None or got.role in security.ROLES
+    try:
+        security.Credentials.parse(doc)
+    except UsageError as e:
+        assert e.why
 
 
 def test_regressions_found_by_the_fuzzer() -> None:

@@ -29,8 +29,8 @@ from cryosleep.agent.watchdog import Watchdog
 from cryosleep.capture import criu_install, netlock
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
-from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, underlay_towards
-from cryosleep.core import proctree
+from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Token, underlay_towards
+from cryosleep.core import privileges, proctree
 from cryosleep.core.interceptor import Cmd, State
 from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
@@ -331,8 +331,8 @@ class Agent:
             raise CryosleepError(f"the NCCL interceptor {interceptor_lib()} is missing",
                                  "the native helpers were not built",
                                  "run `make setup` (or `make -C native`), or start the job with --no-interceptor")
-        self.job.logs.mkdir(parents=True, exist_ok=True)
-        self.job.ctl.mkdir(parents=True, exist_ok=True)
+        self.job.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.job.ctl.mkdir(mode=0o700, parents=True, exist_ok=True)
         for r in self.spec.ranks:
             self.job.rank_log(r).unlink(missing_ok=True)
             (self.job.logs / f"rank-{r}.exit").unlink(missing_ok=True)
@@ -462,7 +462,7 @@ class Agent:
             assert self.coordinator is not None
             net = self.spec.net
             self.net_watch = coordinated.NetPeers(
-                CoordinatorClient(*self.coordinator), self.spec.run_id, self.spec.node_rank, self.spec.nnodes,
+                CoordinatorClient(*self._coordinator_link()), self.spec.run_id, self.spec.node_rank, self.spec.nnodes,
                 self.underlay or underlay_towards(self.coordinator[0]), lambda p: net_sandbox.set_peers(net, p),
                 self.log_line, known=self.barrier_peers).start()
         init = self.state.init_pid
@@ -698,6 +698,7 @@ class Agent:
             if self._stopping or not proctree.alive(self.state.init_pid):
                 raise NotFound(f"job {self.spec.name!r} has already exited", "there is nothing to capture",
                                "restore one of its snapshots to run it again")
+            privileges.require(privileges.SNAPSHOT, f"a snapshot of job {self.spec.name!r}", whose="its agent")
             stop = bool(req.get("stop", False))
             rehearse = bool(req.get("rehearse", False))
             store = LocalStore(Path(req.get("store") or paths.default_store()))
@@ -733,6 +734,11 @@ class Agent:
             self.save_state()
             self.snap_lock.release()
 
+    def _coordinator_link(self) -> tuple[str, Token]:
+        """The coordinator's URL and this node's credential (its agent credential once registered)."""
+        assert self.coordinator is not None
+        return self.coordinator[0], self.runner.credential if self.runner is not None else self.coordinator[1]
+
     def _coordinated_snapshot(self, req: dict[str, Any], send: Any) -> dict[str, Any]:
         """A snapshot asked of one node of a coordinated job (its CLI, a signal, a preemption notice, a periodic
         policy) is a snapshot of the whole job: the coordinator runs it on every node, this one included."""
@@ -741,7 +747,7 @@ class Agent:
         job = coordinated.job_name(self.spec.name, self.spec.nnodes, self.spec.node_rank)
         send({"event": "phase", "phase": "coordinator", "status": "start", "seconds": None})
         start = time.monotonic()
-        client = CoordinatorClient(*self.coordinator)
+        client = CoordinatorClient(*self._coordinator_link())
         try:
             row = client.snapshot(job, stop=stop, timeout_s=float(req.get("timeout") or 600.0))
         finally:

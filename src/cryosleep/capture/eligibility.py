@@ -17,7 +17,7 @@ from typing import Any
 
 from cryosleep import paths
 from cryosleep.capture import criu_install, cuda
-from cryosleep.core import proctree
+from cryosleep.core import privileges, proctree
 from cryosleep.core.interceptor import ControlBlock, DevMem, flag_reasons
 from cryosleep.errors import CryosleepError
 from cryosleep.net import tools as net_tools
@@ -48,6 +48,17 @@ def _root() -> Check:
     ok = os.geteuid() == 0
     return Check("privileges", ok, "running as root" if ok else
                  "not root: CRIU needs root (or CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN); run with sudo")
+
+
+def _capabilities() -> list[Check]:
+    """Which of the capabilities a snapshot and a restore need this process lacks (core/privileges.py)."""
+    out = []
+    for name, need in (("capabilities (run, snapshot)", privileges.SNAPSHOT),
+                       ("capabilities (restore)", privileges.RESTORE)):
+        lacking = privileges.missing(need)
+        out.append(Check(name, not lacking, f"missing {', '.join(lacking)}: grant them (docs/security.md)" if lacking
+                         else f"all {len(need)}: " + ", ".join(f"CAP_{n.upper()}" for n in sorted(need))))
+    return out
 
 
 def _pid_namespaces() -> Check:
@@ -153,7 +164,7 @@ def _gpu() -> list[Check]:
 
 
 def system_checks() -> list[Check]:
-    return [_kernel(), _root(), _pid_namespaces(), _native(), *_criu(), *_gpu()]
+    return [_kernel(), _root(), *_capabilities(), _pid_namespaces(), _native(), *_criu(), *_gpu()]
 
 
 GPU_DEVICES = ("/dev/nvidia", "/dev/dri")

@@ -7,7 +7,7 @@ from typing import Any
 
 from cryosleep.capture import criu_install, eligibility, netlock
 from cryosleep.cli.output import emit_json, table
-from cryosleep.core import proctree
+from cryosleep.core import privileges, proctree
 from cryosleep.core.interceptor import attach_published
 from cryosleep.core.job import JobDir, list_jobs
 from cryosleep.errors import CryosleepError
@@ -30,6 +30,13 @@ def cmd_check(a: argparse.Namespace) -> int:
         if st.state != "running":
             checks.append(eligibility.Check("job", False, f"job {a.job} is {st.state}: {st.detail}".rstrip(": ")))
         else:
+            try:
+                lacking = privileges.missing(privileges.SNAPSHOT, st.agent_pid)
+            except OSError:  # the agent just ended: the job checks below say so
+                lacking = []
+            checks.append(eligibility.Check("agent's capabilities", not lacking,
+                                            f"its agent (PID {st.agent_pid}) lacks {', '.join(lacking)}" if lacking
+                                            else f"its agent (PID {st.agent_pid}) has all it needs to snapshot"))
             found = eligibility.process_checks(st.init_pid)
             checks.extend(found or [eligibility.Check("job processes", True,
                                                       f"nothing uncapturable held by job {a.job}")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import ssl
 import sys
 import threading
 from collections.abc import Callable
@@ -12,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep.cli.output import emit_json, table, when
-from cryosleep.coordinator import catalog, client, service
+from cryosleep.coordinator import catalog, client, security, service
+from cryosleep.errors import UsageError
 
 
 def _client_opts(p: argparse.ArgumentParser) -> None:
@@ -37,8 +39,21 @@ def add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument("--lease-ttl", type=float, default=service.LEASE_TTL_S,
                    help="the lease's time to live (s): a standby (another `serve` on the same --db) takes over at "
                         "most this long after this coordinator died")
-    s.add_argument("--token-file", type=Path, required=True,
-                   help="file holding the bearer token agents and clients must present (at least 16 characters)")
+    s.add_argument("--token-file", type=Path, default=None,
+                   help="file holding the one bearer token agents and clients present (at least 16 characters): "
+                   "an admin credential (agents registering with it still get scoped ones)")
+    s.add_argument("--credentials", type=Path, default=None, metavar="F",
+                   help="scoped credentials instead (admin, tenants and their jobs, bootstrap, hosts; JSON, mode "
+                   "0600): docs/security.md")
+    s.add_argument("--tls-cert", type=Path, default=None, help="serve HTTPS with this PEM certificate (chain)")
+    s.add_argument("--tls-key", type=Path, default=None, help="the certificate's PEM key")
+    s.add_argument("--tls-client-ca", type=Path, default=None,
+                   help="require every client to present a certificate this CA signed (agents' client certificates)")
+    s.add_argument("--audit-log", type=Path, default=None,
+                   help="append who asked for which snapshot, stop, restore, registration and every refusal here "
+                   "(JSON lines; default audit.jsonl beside the catalog)")
+    s.add_argument("--max-body", type=int, default=security.MAX_BODY, metavar="BYTES",
+                   help="the largest request body read; larger ones are refused (413) unread")
     s.add_argument("--poll-wait", type=float, default=20.0, help="longest an agent's poll is held open (s)")
     s.add_argument("--lost-after", type=float, default=15.0,
                    help="an agent with no poll for this long is lost: a snapshot in progress is rolled back (s)")
@@ -85,8 +100,21 @@ def _client(a: argparse.Namespace) -> client.CoordinatorClient:
     return client.CoordinatorClient(url, token)
 
 
+def _serve_security(a: argparse.Namespace) -> tuple[str | security.Credentials, ssl.SSLContext | None]:
+    if (a.token_file is None) == (a.credentials is None):
+        raise UsageError("the coordinator needs one kind of credential", "pass --token-file or --credentials "
+                         "(not both, not neither)", "e.g. --credentials /etc/cryosleep/credentials.json "
+                         "(docs/security.md)")
+    creds = service.read_token(a.token_file) if a.token_file else security.Credentials.load(a.credentials)
+    if (a.tls_cert is None) != (a.tls_key is None) or (a.tls_client_ca and not a.tls_cert):
+        raise UsageError("incomplete TLS options", "--tls-cert and --tls-key go together (--tls-client-ca with them)",
+                         "pass both, or neither for plain HTTP")
+    tls = security.server_context(a.tls_cert, a.tls_key, a.tls_client_ca) if a.tls_cert else None
+    return creds, tls
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
-    token = service.read_token(a.token_file)
+    creds, tls = _serve_security(a)
     cfg = service.ServiceConfig(poll_wait_s=a.poll_wait, lost_after_s=a.lost_after, rollback_s=a.rollback_timeout)
     db = a.db or catalog.default_path()
 
@@ -100,12 +128,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(3)  # at once: whatever was in flight is the next coordinator's to recover
 
-    srv, _thread = service.start(a.listen, db, token, cfg, lease_ttl_s=a.lease_ttl, on_wait=on_wait,
-                                 on_lost=on_lost)
+    local = "://" not in str(db)  # an SQLite file: the audit log beside it; a server: beside the default catalog
+    audit = security.Audit(a.audit_log or (Path(db) if local else catalog.default_path()).parent / "audit.jsonl")
+    srv, _thread = service.start(a.listen, db, creds, cfg, lease_ttl_s=a.lease_ttl, on_wait=on_wait,
+                                 on_lost=on_lost, tls=tls, audit=audit, max_body=a.max_body)
     where = srv.coordinator.catalog.path
     if a.json:
         emit_json({"listening": srv.url, "db": where, "engine": srv.coordinator.catalog.db.name})
     sys.stderr.write(f"cryosleep coordinator: listening on {srv.url}, catalog {where}\n")
+    if tls is None and not str(srv.server_address[0]).startswith(("127.", "::1")):
+        sys.stderr.write("cryosleep coordinator: plain HTTP on a network address: every credential travels in clear "
+                         "(serve HTTPS with --tls-cert and --tls-key; docs/security.md)\n")
     sys.stderr.flush()
     done = threading.Event()
 

@@ -30,6 +30,7 @@ from cryosleep.cli.transfer import (
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
+from cryosleep.core import privileges
 from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, fast_path_for, gpu_machine
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
@@ -253,7 +254,7 @@ def _finish(agent: Agent, code: int, as_json: bool) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    require_root("running a job under Cryosleep")
+    require_root("running a job under Cryosleep", privileges.SNAPSHOT)
     spec = build_spec(a)
     spec.persist = remote_config(spec.name, a.store, a.key_file, a.local_keep, retention_of(a))
     spec.env.pop("CRYOSLEEP_KEY", None)  # the agent reads it from its own environment; workers and manifests never
@@ -351,7 +352,7 @@ def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str
 def cmd_restore(a: argparse.Namespace) -> int:
     if a.nodes is not None:
         return place_snapshot(a)
-    require_root("restoring a snapshot")
+    require_root("restoring a snapshot", privileges.RESTORE)
     ref, where, coordinator, nnodes = a.snapshot, a.store, None, 1
     if a.node_rank is not None:
         ref, where, coordinator, nnodes = node_image(a)

@@ -90,9 +90,12 @@ class PhasePrinter:
             self(str(msg["phase"]), str(msg["status"]), msg.get("seconds"))
 
 
-def require_root(what: str) -> None:
-    """Refuse up front, with the reason, what CRIU cannot do without root."""
+def require_root(what: str, need: frozenset[str] = frozenset()) -> None:
+    """Refuse up front, with the reason, what CRIU cannot do without root, or without the capabilities ``need``
+    (core/privileges.py)."""
     import os
+
+    from cryosleep.core import privileges
 
     if os.geteuid() != 0:
         raise NotEligible(
@@ -100,3 +103,4 @@ def require_root(what: str) -> None:
             "CRIU and the job's sandbox (PID namespaces, ptrace, network locks) need root privileges",
             "run it as root (sudo cryosleep ...)",
         )
+    privileges.require(need, what)

@@ -1,7 +1,10 @@
 """Talking to the coordinator: the client the CLI uses, and the node agent's side of the protocol.
 
-``CoordinatorClient`` (CLI and tools): ``--coordinator URL`` or ``$CRYOSLEEP_COORDINATOR``; the token from
-``--token-file F``, ``$CRYOSLEEP_COORDINATOR_TOKEN_FILE`` or ``$CRYOSLEEP_COORDINATOR_TOKEN``.
+``CoordinatorClient`` (CLI and tools): ``--coordinator URL`` or ``$CRYOSLEEP_COORDINATOR``; the credential
+(admin, tenant, bootstrap or host: docs/security.md) from ``--token-file F``, ``$CRYOSLEEP_COORDINATOR_TOKEN_FILE``
+or ``$CRYOSLEEP_COORDINATOR_TOKEN``. An ``https://`` URL is verified against ``$CRYOSLEEP_COORDINATOR_CA`` (else
+the system's CAs), with the client certificate ``$CRYOSLEEP_COORDINATOR_CERT`` / ``$CRYOSLEEP_COORDINATOR_KEY``
+when the coordinator asks for one.
 
 The node agent's side, for the real agent to plug in (docs/coordinator.md, "The node agent's interface"):
 
@@ -18,6 +21,7 @@ import http.client
 import json
 import os
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -27,12 +31,18 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote, urlsplit
 
+from cryosleep.coordinator import security
 from cryosleep.coordinator.protocol import Command, Result
-from cryosleep.errors import CryosleepError, ProtocolError, Unreachable, UsageError, from_json
+from cryosleep.errors import CryosleepError, ProtocolError, Unauthorized, Unreachable, UsageError, from_json
 
 ENV_URL = "CRYOSLEEP_COORDINATOR"
 ENV_TOKEN_FILE = "CRYOSLEEP_COORDINATOR_TOKEN_FILE"
 ENV_TOKEN = "CRYOSLEEP_COORDINATOR_TOKEN"
+ENV_CA = "CRYOSLEEP_COORDINATOR_CA"
+ENV_CERT = "CRYOSLEEP_COORDINATOR_CERT"
+ENV_KEY = "CRYOSLEEP_COORDINATOR_KEY"
+Token = str | Callable[[], str]
+"""A credential, or where to read the current one (an agent's, issued when it registers)."""
 PIGGYBACK_S = 0.05  # a result ready this soon after its command arrived rides on the next poll
 KEEP_RESULTS = 4096  # results kept for repeated deliveries (a snapshot of 128 nodes uses a few dozen ids)
 
@@ -67,17 +77,25 @@ def _nodelay(conn: http.client.HTTPConnection) -> None:
 class Http:
     """One keep-alive HTTP connection to the coordinator (not shared between threads), JSON in and out."""
 
-    def __init__(self, url: str, token: str, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, token: Token, timeout: float = 30.0) -> None:
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise UsageError(f"invalid coordinator URL {url!r}", "expected http://HOST:PORT",
-                             "e.g. --coordinator http://10.0.0.5:7480")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UsageError(f"invalid coordinator URL {url!r}", "expected http://HOST:PORT or https://HOST:PORT",
+                             "e.g. --coordinator https://10.0.0.5:7480")
         self.url = url.rstrip("/")
         self.host = parts.hostname
-        self.port = parts.port or 80
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ca = os.environ.get(ENV_CA) or None
+        self.tls = security.client_context(self.ca, os.environ.get(ENV_CERT), os.environ.get(ENV_KEY)) \
+            if parts.scheme == "https" else None
         self.token = token
         self.timeout = timeout
         self.conn: http.client.HTTPConnection | None = None
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self.tls is not None:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self.tls)
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def close(self) -> None:
         if self.conn is not None:
@@ -98,10 +116,11 @@ class Http:
     def call(self, method: str, path: str, body: dict[str, Any] | None = None,
              timeout: float | None = None) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        token = self.token() if callable(self.token) else self.token
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: one fresh try
             if self.conn is None:
-                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
+                self.conn = self._connection(timeout or self.timeout)
             else:
                 self.conn.timeout = timeout or self.timeout
                 if self.conn.sock is not None:
@@ -115,6 +134,9 @@ class Http:
                 raw = resp.read()
                 status = resp.status
                 break
+            except ssl.SSLError as e:  # not a coordinator away: no retry helps
+                self.close()
+                raise security.tls_failure(self.url, self.ca, e) from e
             except (OSError, http.client.HTTPException) as e:
                 self.close()
                 if attempt == 1 or isinstance(e, TimeoutError | ConnectionRefusedError):
@@ -135,7 +157,7 @@ class Http:
 class CoordinatorClient:
     """What the CLI asks the coordinator."""
 
-    def __init__(self, url: str, token: str, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, token: Token, timeout: float = 30.0) -> None:
         self.http = Http(url, token, timeout)
 
     def close(self) -> None:
@@ -278,10 +300,11 @@ class AgentRunner:
         self.reg = reg
         self.wait_s = wait_s
         self.log = log or (lambda _m: None)
-        self.poll_http = Http(url, token)
-        self.post_http = Http(url, token)
+        self.poll_http = Http(url, self.credential)
+        self.post_http = Http(url, self.credential)
         self.post_lock = threading.Lock()
         self.agent_id: str | None = None
+        self.issued: str | None = None  # the agent credential the registration answered with
         self.done: dict[str, Result] = {}  # command id -> its result (kept for repeated deliveries)
         self.running: set[str] = set()
         self.lock = threading.Lock()
@@ -337,8 +360,16 @@ class AgentRunner:
         if self.thread is not None:
             self.thread.join(timeout)
 
+    def credential(self) -> str:
+        """What this node presents: the agent credential once registered (it acts only for this job and node),
+        the bootstrap one before."""
+        return self.issued or self.token
+
     def register(self) -> None:
+        self.issued = None
         res = self.poll_http.call("POST", "/v1/agents/register", self.reg.to_json())
+        cred = res.get("credential")
+        self.issued = cred if isinstance(cred, str) else None
         self.agent_id = str(res["agent_id"])
         self.wait_s = min(self.wait_s, float(res.get("poll_wait_s", self.wait_s)))
 
@@ -361,8 +392,8 @@ class AgentRunner:
             except CryosleepError as e:
                 if self._halt.is_set():
                     return
-                if e.details.get("reregister"):
-                    self.agent_id = None  # the coordinator restarted: register again, same incarnation
+                if e.details.get("reregister") or (isinstance(e, Unauthorized) and self.issued):
+                    self.agent_id = None  # the coordinator restarted (or changed its secret): register again
                     self.carry = []  # their commands are delivered again, and answered from ``done``
                     continue
                 self.log(f"coordinator: {e.what} ({e.why}); retrying in {backoff:.2f} s")

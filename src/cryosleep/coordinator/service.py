@@ -5,9 +5,10 @@ Every agent's poll is a request, so the per-request cost bounds a snapshot of th
 (docs/benchmarks.md): the handler reads the request line and headers itself (the standard library parses
 headers with the ``email`` package, about half of a request's CPU) and writes each response with one send.
 
-Every request but ``GET /v1/health`` carries ``Authorization: Bearer TOKEN`` (the token file's content,
-compared in constant time); a missing or wrong token gets 401 and a JSON error. Errors are the project's JSON
-form (``{"error": kind, "what", "why", "hint"}``) with a matching status.
+
+Every request but ``GET /v1/health`` carries ``Authorization: Bearer CREDENTIAL``, checked before it is routed
+with its body's size and its scope (``security.Gate``: 401, 413, 403, 429); HTTPS with a ``tls`` context.
+Errors are the project's JSON form (``{"error": kind, "what", "why", "hint"}``) with a matching status.
 
 Agents::
 
@@ -31,30 +32,30 @@ Clients::
 from __future__ import annotations
 
 import email.utils
-import hmac
 import http
 import json
 import re
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
+from cryosleep.coordinator import security
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
 from cryosleep.coordinator.metrics import CONTENT_TYPE_LATEST
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION
 from cryosleep.coordinator.shared import Lease
-from cryosleep.errors import CryosleepError, NotFound, Unauthorized, UsageError
+from cryosleep.errors import CryosleepError, NotFound, UsageError
 
 __all__ = ["Coordinator", "Server", "ServiceConfig", "parse_listen", "read_token", "shutdown", "start"]
 
-MAX_BODY = 64 << 20
 LEASE_TTL_S = 10.0  # a standby takes over at most this long after the active coordinator died
 
 
@@ -73,7 +74,8 @@ def read_token(path: Path | str) -> str:
 
 # ---- HTTP ----------------------------------------------------------------------------------------------------
 
-STATUS = {"not_found": 404, "usage": 400, "protocol": 400, "unauthorized": 401, "busy": 409, "not_eligible": 409}
+STATUS = {"not_found": 404, "usage": 400, "protocol": 400, "unauthorized": 401, "forbidden": 403, "busy": 409,
+          "not_eligible": 409}
 Route = tuple[str, re.Pattern[str], str]
 ROUTES: list[Route] = [
     ("GET", re.compile(r"^/v1/health$"), "health"),
@@ -102,16 +104,23 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 1024
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], coordinator: Coordinator, token: str) -> None:
+    def __init__(self, addr: tuple[str, int], coordinator: Coordinator, gate: security.Gate,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.coordinator = coordinator
-        self.token = token.encode()
+        self.gate = gate
+        self.tls = tls
         self.lease: Lease | None = None
         super().__init__(addr, Handler)
+        if tls is not None:  # the handshake is each connection's thread's, never the accepting one's
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a failed TLS handshake, a client gone: nothing to answer, nothing to keep
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host!s}:{port}"
 
 
 _PHRASES = {int(st): st.phrase for st in http.HTTPStatus}
@@ -123,6 +132,16 @@ def _http_date() -> str:
     if _date[0] != now:
         _date[:] = [now, email.utils.formatdate(now, usegmt=True)]
     return str(_date[1])
+
+
+class _Lower:
+    """The handler's headers (names in lower case) as the gate asks for them (any case)."""
+
+    def __init__(self, hdrs: dict[str, str]) -> None:
+        self.hdrs = hdrs
+
+    def get(self, name: str, default: None = None) -> str | None:
+        return self.hdrs.get(name.lower(), default)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -173,6 +192,10 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.settimeout(30.0)
+            self.request.do_handshake()
+            self.request.settimeout(None)
         super().setup()
         # a response is written as headers then body: without this, Nagle's algorithm and the client's delayed
         # ACK hold the body back ~40 ms
@@ -205,28 +228,19 @@ class Handler(BaseHTTPRequestHandler):
         """The client closed its connection (a lost agent's long poll): readable with nothing to read."""
         try:
             r, _, _ = select.select([self.connection], [], [], 0)
-            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return bool(r) and socket.socket.recv(self.connection, 1, socket.MSG_PEEK) == b""  # TLS too
         except OSError:
             return True
 
-    def _authorized(self) -> bool:
-        given = self.hdrs.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.server.token)
-        if not ok:
-            why = "no bearer token was sent" if not given else "the bearer token is wrong"
-            err = Unauthorized("the coordinator refused the request", why,
-                               "pass the coordinator's token with --token-file F "
-                               "(or $CRYOSLEEP_COORDINATOR_TOKEN_FILE)")
-            self._send(401, err.to_json(), {"WWW-Authenticate": 'Bearer realm="cryosleep"'})
-        return ok
-
     def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
+        adm = self.server.gate.admit(method, url.path, _Lower(self.hdrs), self.client_address[0])  # security.py
+        if adm.error is not None:  # refused before routing, its body unread
+            self.close_connection = True
+            self._send(adm.status, adm.error.to_json(), adm.headers)
+            return
         try:
             n = int(self.hdrs.get("content-length") or 0)
-            if n > MAX_BODY:
-                raise UsageError("the request is too large", f"{n} bytes", f"send at most {MAX_BODY} bytes")
             raw = self.rfile.read(n) if n else b""
             self.route = "unknown"
             for m, pattern, name in ROUTES:
@@ -234,19 +248,17 @@ class Handler(BaseHTTPRequestHandler):
                 if match is None or m != method:
                     continue
                 self.route = name
-                if name != "health" and not self._authorized():
-                    return
+                try:
+                    body = json.loads(raw) if raw else {}
+                except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+                    raise UsageError("the request body is not JSON", str(e), "") from e
+                query = parse_qs(url.query)
+                self.server.gate.check(adm, body, query)
                 if name == "metrics":
                     self._send(200, self.server.coordinator.metrics.render(), content_type=CONTENT_TYPE_LATEST)
                     return
-                try:
-                    body = json.loads(raw) if raw else {}
-                except ValueError as e:
-                    raise UsageError("the request body is not JSON", str(e), "") from e
-                if not isinstance(body, dict):
-                    raise UsageError("the request body must be a JSON object", "", "")
-                params = {k: unquote(v) for k, v in match.groupdict().items()}
-                self._send(200, self._route(name, params, parse_qs(url.query), body))
+                result = self._route(name, adm.params, query, body)
+                self._send(200, self.server.gate.answer(adm, body, result))
                 return
             paths_known = [p for _, p, _ in ROUTES if p.match(url.path)]
             if paths_known:
@@ -313,11 +325,14 @@ def parse_listen(s: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def start(listen: str, db: Path | str, token: str, cfg: ServiceConfig | None = None,
+def start(listen: str, db: Path | str, token: str | security.Credentials, cfg: ServiceConfig | None = None,
           log: Callable[[str], None] | None = None, lease_ttl_s: float = LEASE_TTL_S,
           on_wait: Callable[[dict[str, Any]], None] | None = None,
-          on_lost: Callable[[Server, str], None] | None = None) -> tuple[Server, threading.Thread]:
-    """The service in a background thread (tests, the bench); ``serve`` runs it in the foreground.
+          on_lost: Callable[[Server, str], None] | None = None, *, tls: ssl.SSLContext | None = None,
+          audit: security.Audit | None = None, max_body: int = security.MAX_BODY,
+          limiter: security.Limiter | None = None) -> tuple[Server, threading.Thread]:
+    """The service in a background thread (tests, the bench); ``serve`` runs it in the foreground. ``token``:
+    the one shared token (an admin), or the scoped credentials (coordinator/security.py).
 
     It serves only while it holds the catalog's lease (coordinator/shared.py): a standby waits here (``on_wait``
     told who holds it) until the active coordinator's lease ran out or was released, then recovers what that one
@@ -327,8 +342,11 @@ def start(listen: str, db: Path | str, token: str, cfg: ServiceConfig | None = N
     lease = Lease(catalog, lease_ttl_s, address=listen, log=log)
     lease.acquire(on_wait)
     coord = Coordinator(catalog, cfg, log)
+    creds = token if isinstance(token, security.Credentials) else security.Credentials.single(token)
+    gate = security.Gate(creds, ROUTES, security.Lookup.of(coord, creds), max_body=max_body, limiter=limiter,
+                         audit=audit)
     try:
-        srv = Server(parse_listen(listen), coord, token)
+        srv = Server(parse_listen(listen), coord, gate, tls)
     except OSError as e:
         coord.close()
         lease.release()
@@ -353,6 +371,7 @@ def start(listen: str, db: Path | str, token: str, cfg: ServiceConfig | None = N
 
 def shutdown(srv: Server) -> None:
     srv.coordinator.close()
+    srv.gate.audit.close()
     srv.shutdown()
     srv.server_close()
     if srv.lease is not None:  # after the last answer: a standby takes over at once

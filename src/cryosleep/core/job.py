@@ -200,9 +200,16 @@ class JobDir:
         return self.spec_file.exists()
 
     def write(self, spec: JobSpec, st: JobState) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        """Owner-only (the directory 0700, the record 0600): another job's processes, another user, read nothing
+        of it (its spec has the job's environment) and reach neither its socket nor its control blocks."""
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.path.stat().st_mode & 0o077:
+            os.chmod(self.path, 0o700)
         tmp = self.spec_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"spec": spec.to_json(), "state": st.to_json()}, indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)  # a temporary file left by an older version keeps its mode through O_TRUNC
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"spec": spec.to_json(), "state": st.to_json()}, indent=2))
         os.replace(tmp, self.spec_file)
 
     def record(self) -> tuple[JobSpec, JobState]:
