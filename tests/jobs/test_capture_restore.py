@@ -21,9 +21,11 @@ pytestmark = pytest.mark.slow
 BASIC = ["--steps", "40", "--step-sleep", "0.05"]
 
 
-def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness) -> None:
+def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness, tmp_path: Path) -> None:
     script = workload("ddp_basic")
-    h.run("adamw", script, BASIC)
+    hold = tmp_path / "hold"  # the job waits after step 18 until the stop snapshot is taken, however slow the machine
+    args = [*BASIC, "--hold", str(hold), "--hold-at", "18"]
+    h.run("adamw", script, args)
     h.wait_step("adamw", 8)
     s1 = h.snapshot("adamw")
     assert s1["mode"] == "keep-running" and s1["bytes"] > 0 and s1["pause_s"] > 0
@@ -35,9 +37,10 @@ def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness) -> None:
     assert h.wait_end("adamw") == 75  # suspended
     assert h.state("adamw") == "suspended"
     assert h.cli_json("verify", s2["snapshot"])["ok"]
+    hold.touch()
     h.restore(s2["snapshot"])
     assert h.wait_end("adamw") == 0
-    assert_identical(h, "adamw", script, BASIC, [0, 1])
+    assert_identical(h, "adamw", script, args, [0, 1])
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["dropout-lr-schedule", "dataloader-2-workers-sampler"])
