@@ -198,6 +198,13 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     # stopped, never running under its network lock with its sockets in TCP repair mode (a rank resumed inside
     # a read failed at once with EPERM); the tasks are continued here once the lock and repair mode are undone,
     # or once a keep-running dump succeeded. (The images record the tasks as stopped: restore() continues them.)
+    if killed := [p for p in tree if proctree.killed_by(p)]:  # a worker killed, not yet reaped: a failing job
+        raise CaptureFailed(
+            f"processes of the job ({', '.join(map(str, killed))}) were killed and not yet reaped",
+            "the job is failing (a rank or a DataLoader worker was ended by a signal): an image of it would "
+            "restore a job that fails at once",
+            "the job's last verified snapshot is still valid (`cryosleep ls`)")
+    alive = [p for p in tree if proctree.state(p) not in ("Z", "X", "gone")]
     stop_tasks(tree)
     try:
         # CRIU's output goes to a file, never a pipe: a helper CRIU forked and left stopped would hold a pipe
@@ -237,6 +244,17 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
                 f"CRIU's log: {kept}",
                 log=str(kept),
             )
+        # A task can only end while it is held (stopped, then seized) by a SIGKILL from outside (an operator,
+        # the OOM killer): the image would hold a job with a process gone (a DataLoader worker dead, say), which
+        # restores into a job that fails at once. Such an image is no snapshot of the job.
+        died = [p for p in alive if proctree.state(p) in ("Z", "X", "gone")]
+        if died:
+            release(criu, root_pid, rid)  # a stop dump's lock too: the job goes on (or ends) unlocked
+            raise CaptureFailed(
+                f"processes of the job ({', '.join(map(str, died))}) were killed while CRIU dumped it",
+                "something outside Cryosleep ended them while the job was held; the image would restore a job "
+                "without them, so it was discarded",
+                "the job's last verified snapshot is still valid (`cryosleep ls`)")
     except BaseException:
         continue_tasks(proctree.tree(root_pid) or tree)  # after the rollback above: the lock and repair are gone
         raise
