@@ -265,9 +265,8 @@ def _play(r: _Round, url: str, res: chaos.Result) -> None:
         res.outcome = "half"
         res.problems.append(f"one node of the job is running, the other not: {r.states()} {r.live()}")
     for sid in r.coord.valid(r.name):
-        for n in r.coord.detail(sid)["nodes"]:
-            ref = n["image"]["ref"]
-            if not ha.cli_json("verify", ref, check=False).get("ok"):
-                res.problems.append(f"snapshot {sid} is valid but node {n['node_rank']}'s image does not verify")
+        for i, n in enumerate(r.coord.detail(sid)["nodes"]):
+            if not ha.cli_json("verify", n["image"]["ref"], check=False).get("ok"):
+                res.problems.append(f"snapshot {sid} is valid but node {i}'s image does not verify")
     res.problems += r.leftovers(port)
 
