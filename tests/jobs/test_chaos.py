@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 BASE = int(os.environ.get("CRYOSLEEP_CHAOS_SEED") or 300)
 # (victim, what it dies in, the delay's anchor: CRIU's start, so that the fault lands in the dump or restore
 # however loaded the machine is; None: any)
-DEFAULT = [("worker", "snapshot", None), ("disk", "snapshot", "criu"), ("criu", "restore", "criu")]
+DEFAULT = [("worker", "snapshot", "criu"), ("disk", "snapshot", "criu"), ("criu", "restore", "criu")]
 EXTENDED = [("rank", "snapshot", None), ("criu", "snapshot", "criu"), ("agent", "snapshot", "criu"),
             ("s3", "snapshot", None), ("agent", "restore", None), ("s3", "restore", None)]
 
