@@ -1,7 +1,9 @@
 """The chaos suite's long run: rounds of a real job with a random victim killed at a random moment of a
-snapshot (tests/jobs/chaos.py has the victims, the moments and the judge; docs/reliability.md the results).
+snapshot or a restore (tests/jobs/chaos.py has the victims, the moments and the judge; docs/reliability.md the results).
 
-    sudo .venv/bin/python bench/chaos.py --rounds 200 --seed 1 [--json out.json]
+    sudo .venv/bin/python bench/chaos.py --rounds 200 --seed 1 [--json out.json] [--multinode]
+
+``--multinode``: the two-node rounds through the coordinator (tests/jobs/chaos_multinode.py) instead.
 
 Round i is planned from seed S+i alone; a failing round prints its seed and the command that replays its plan.
 Its own CRYOSLEEP_HOME and store under /tmp (removed afterwards). Exit code 1 if any round failed.
@@ -22,7 +24,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))
 
 from cryosleep import paths
 from cryosleep.capture import criu_install
-from tests.jobs import chaos
+from tests.jobs import chaos, chaos_multinode
 from tests.jobs.harness import Harness
 
 
@@ -31,6 +33,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     p.add_argument("--json", type=Path, help="also write every round's result here")
+    p.add_argument("--multinode", action="store_true", help="two simulated hosts, through the coordinator")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="cryosleep-chaos-") as tmp:
         home = Path(tmp) / "home"
@@ -41,11 +44,13 @@ def main() -> int:
         h = Harness(home)
         results = []
         for i in range(a.rounds):
-            res = chaos.run_round(h, chaos.Plan.of(a.seed + i))
+            if a.multinode:
+                res = chaos_multinode.run_round(home, chaos_multinode.MnPlan.of(a.seed + i), Path(tmp))
+            else:
+                res = chaos.run_round(h, chaos.Plan.of(a.seed + i))
             results.append(res)
-            line = (f"round {i + 1}/{a.rounds} seed {res.plan.seed}: {res.plan.mode}, {res.plan.victim} at "
-                    f"{res.plan.anchor} + {res.plan.delay} s ({res.moment}{'' if res.killed else ', absent'}) "
-                    f"-> {res.outcome}: "
+            line = (f"round {i + 1}/{a.rounds} seed {res.plan.seed}: {res.plan.describe()} "
+                    f"({res.moment}{'' if res.killed else ', absent'}) -> {res.outcome}: "
                     f"{'pass' if res.ok else 'FAIL'} ({res.seconds} s)")
             print(line, flush=True)
             if a.json:  # after every round: a long run cut short keeps what it measured

@@ -216,16 +216,25 @@ def _proc_bytes(pid: str, what: str) -> bytes:
         return b""
 
 
-def criu_dumps(store: str | Path) -> list[int]:
-    """The CRIU dumps (and what they forked) writing into ``store``: their PIDs, in /proc order."""
+def _criu_runs(store: str | Path, verb: bytes) -> list[int]:
     key = str(store).encode()
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             argv = _proc_bytes(d, "cmdline").split(b"\0")
-            if b"dump" in argv and any(key in a for a in argv):
+            if verb in argv and b"-D" in argv and any(key in a for a in argv):
                 out.append(int(d))
     return out
+
+
+def criu_dumps(store: str | Path) -> list[int]:
+    """The CRIU dumps (and what they forked) writing into ``store``: their PIDs, in /proc order."""
+    return _criu_runs(store, b"dump")
+
+
+def criu_restores(store: str | Path) -> list[int]:
+    """The CRIU restores (and what they forked) reading their images from ``store``: their PIDs, in /proc order."""
+    return _criu_runs(store, b"restore")
 
 
 def in_post_dump(store: str | Path) -> bool:

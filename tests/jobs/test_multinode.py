@@ -1,10 +1,8 @@
 """Two simulated nodes x 2 ranks of gloo DDP on the job network, with real CRIU, real PyTorch and a real
 coordinator.
 
-Each "host" is a network namespace of its own (held by a sleeping process), joined to the other by a veth
-pair as the network between the hosts (10.250.1.1 <-> 10.250.1.2). Each node's agent runs in its host's
-namespace (`nsenter --net`), so each host has its own bridge for the job and the two are linked by the
-job's VXLAN overlay. The coordinator runs on host A; both agents register with it (`run --coordinator`), and
+Each "host" is a network namespace of its own (tests/jobs/hosts.py), joined to the other by a veth pair as the
+network between the hosts. The coordinator runs on host A; both agents register with it (`run --coordinator`), and
 it snapshots the job on both nodes at once: keep-running (the job network held on both nodes from before the
 first dump to after the last), then stop. Each node's image of the stop snapshot is restored on the OTHER
 host, into fresh namespaces (`restore --node-rank`); the losses of all four ranks must equal an uninterrupted
@@ -17,13 +15,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -32,69 +25,19 @@ from cryosleep.net import Host, job_net
 from tests.conftest import require_criu
 from tests.jobs.coordinated import Coordinator
 from tests.jobs.harness import Harness, reference, workload
+from tests.jobs.hosts import UNDERLAY, HostHarness, restore_pair, start_host_daemon, two_hosts
 
 pytestmark = pytest.mark.slow
 
 # long enough to outlive a keep-running snapshot and reach step 20 after it
 ARGS = ["--steps", "150", "--step-sleep", "0.05"]
-UNDERLAY = ("10.250.1.1", "10.250.1.2")
-
-
-class HostHarness(Harness):
-    """The harness, with every CLI call made from inside one simulated host's network namespace."""
-
-    def __init__(self, home: Path, ns_pid: int, peer: str) -> None:
-        super().__init__(home, prefix=proctree.nsenter_net(ns_pid))
-        self.ns_pid = ns_pid
-        self.peer = peer
-
-    def run_node(self, name: str, rank: int, port: int, coordinator: str) -> dict[str, Any]:
-        out: dict[str, Any] = self.cli_json(
-            "run", "--detach", "--name", name, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-            "--master-port", str(port), "--run-id", f"{name}-run", "--net", "job",  # no --net-peers: learned
-            "--coordinator", coordinator, str(workload("ddp_basic")), *ARGS)
-        return out
-
-    def coordinator(self, *args: str) -> Any:
-        return json.loads(self.cli("coordinator", *args, "--json").stdout)
-
-    def restore_here(self, sid: str, node: int, *extra: str, peers: bool = True) -> dict[str, Any]:
-        """``peers``: --net-peers given; else the overlay's peers are learned at the restore's barrier."""
-        given = ["--net-peers", self.peer] if peers else []
-        out: dict[str, Any] = self.cli_json("restore", "--detach", *given, "--node-rank", str(node), *extra, sid)
-        return out
 
 
 @pytest.fixture
 def hosts(cryo_home: Path) -> Iterator[tuple[HostHarness, HostHarness]]:
     require_criu()
-    holders: list[subprocess.Popen[bytes]] = []
-    harnesses: list[HostHarness] = []
-    try:
-        for _ in range(2):
-            p = subprocess.Popen(["unshare", "--net", "--", "sleep", "600"])
-            holders.append(p)
-            end = time.monotonic() + 5
-            while os.readlink(f"/proc/{p.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
-                assert time.monotonic() < end
-                time.sleep(0.01)
-        a, b = Host(holders[0].pid), Host(holders[1].pid)
-        a.ip("link", "add", "under0", "type", "veth", "peer", "name", "under1", "netns", str(holders[1].pid),
-             what="the network between the simulated hosts")
-        for host, dev, addr in ((a, "under0", UNDERLAY[0]), (b, "under1", UNDERLAY[1])):
-            host.run("ip", "addr", "add", f"{addr}/30", "dev", dev, what="underlay")
-            host.run("ip", "link", "set", dev, "up", what="underlay")
-            host.run("ip", "link", "set", "lo", "up", what="loopback")  # CRIU probes TCP repair on it
-        harnesses = [HostHarness(cryo_home, holders[0].pid, UNDERLAY[1]),
-                     HostHarness(cryo_home, holders[1].pid, UNDERLAY[0])]
-        yield harnesses[0], harnesses[1]
-    finally:
-        for name in ("mn.node0", "mn.node1"):
-            if harnesses and harnesses[0].job(name).exists() and harnesses[0].state(name) in ("running", "starting"):
-                harnesses[0].kill_all(name)
-        for p in holders:  # the hosts' namespaces, and every bridge, VXLAN and veth in them, go with these
-            p.send_signal(signal.SIGKILL)
-            p.wait()
+    with two_hosts(cryo_home, ("mn.node0", "mn.node1")) as pair:
+        yield pair
 
 
 def assert_identical(h: Harness, ref: dict[int, list[str]]) -> None:
@@ -102,23 +45,6 @@ def assert_identical(h: Harness, ref: dict[int, list[str]]) -> None:
         got = h.losses(f"mn.node{r // 2}", r)
         assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(
             next((i for i, (x, y) in enumerate(zip(got, ref[r], strict=False)) if x != y), min(len(got), len(ref[r]))))
-
-
-def start_host_daemon(h: HostHarness, name: str, url: str) -> subprocess.Popen[str]:
-    """`cryosleep host serve` in the simulated host's namespace; returns once it serves."""
-    p = subprocess.Popen([*proctree.nsenter_net(h.ns_pid), sys.executable, "-m", "cryosleep.cli.main",
-                          "host", "serve", "--name", name, "--coordinator", url, "--poll-wait", "2", "--json"],
-                         stdout=subprocess.PIPE, text=True, env=h.env)
-    assert p.stdout is not None
-    first = json.loads(p.stdout.readline())
-    assert first["event"] == "serving" and first["host"] == name, first
-    return p
-
-
-def restore_pair(sid: str, node0_on: HostHarness, node1_on: HostHarness, *extra: str, peers: bool = True) -> None:
-    """Both nodes' restores at once: each waits at the coordinator's barrier for the other."""
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda a: a[0].restore_here(sid, a[1], *extra, peers=peers), ((node0_on, 0), (node1_on, 1))))
 
 
 def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHarness, HostHarness],
@@ -130,8 +56,8 @@ def test_two_nodes_snapshot_and_restore_swapped_across_hosts(hosts: tuple[HostHa
         h.env = coord.env({**h.env, "CRYOSLEEP_COORDINATOR": url})
     try:
         port = 29000 + os.getpid() % 1000
-        ha.run_node("mn", 0, port, url)
-        hb.run_node("mn", 1, port, url)
+        ha.run_node("mn", 0, port, url, ARGS)
+        hb.run_node("mn", 1, port, url, ARGS)
         spec, _ = ha.job("mn.node0").read()
         net = job_net("mn-run", 0, 2)
         assert spec.net["address"] == net.address and spec.master_addr == net.address

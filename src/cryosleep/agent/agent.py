@@ -30,7 +30,7 @@ from cryosleep.capture import criu_install, netlock
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Token, underlay_towards
-from cryosleep.core import privileges, proctree
+from cryosleep.core import oom, privileges, proctree
 from cryosleep.core.interceptor import Cmd, State
 from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
@@ -220,6 +220,9 @@ class Agent:
         self.spec = spec
         self.out = out
         self.state = JobState(agent_pid=os.getpid())
+        # the agent (and its watchdog, and CRIU, which inherit it) out of the OOM killer's way; the job's workers
+        # get back the value the agent was started with (a restored job's, their own: CRIU restores it)
+        self.job_oom_score_adj = oom.protect()
         self.runtime: dict[str, Any] = {}
         self.lock_fd = -1
         self.claim: resume.Claim | None = None  # the job's record in its remote store (agent/resume.py)
@@ -358,7 +361,8 @@ class Agent:
         try:
             try:
                 res = subprocess.run(cmd, env=env, cwd=self.spec.cwd, capture_output=True, text=True, check=True,
-                                     pass_fds=(go_r,) if self.spec.net else ())
+                                     pass_fds=(go_r,) if self.spec.net else (),
+                                     preexec_fn=lambda: oom.write(self.job_oom_score_adj) and None)
             except subprocess.CalledProcessError as e:
                 raise CryosleepError("the job's sandbox could not be started", e.stderr.strip(),
                                      "run `cryosleep check` to see what this machine lacks") from e

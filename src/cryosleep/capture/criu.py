@@ -8,6 +8,7 @@ still until its image is verified, then killed, or resumed if anything failed).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import select
@@ -23,11 +24,12 @@ from pathlib import Path
 
 from cryosleep import paths
 from cryosleep.capture.criu_install import Criu
-from cryosleep.core import proctree
+from cryosleep.core import oom, proctree
 from cryosleep.errors import CaptureFailed, NetError, RestoreFailed
 from cryosleep.net import host as net_host
 
 RUN_ID_RE = re.compile(r"CRIU run id = ([0-9a-f-]+)")
+PR_SET_PDEATHSIG = 1
 # CRIU prints this on every run here; it is harmless (docs/facts.md).
 NOISE = ("Can't setup RLIMIT_NOFILE",)
 GHOST_LIMIT = 64 * 1024 * 1024
@@ -169,8 +171,9 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
          on_start: Callable[[int], None] | None = None) -> DumpResult:
     """Dump the tree of ``root_pid`` into ``node_dir/criu``; stage its files into ``node_dir/files``.
 
-    On failure or timeout every task is left running (CRIU resumes them; after a kill we detach, remove
-    the network lock and continue stopped tasks) and CaptureFailed is raised with CRIU's own words.
+    On failure or timeout every task is left running (CRIU rolls back, or after a kill we remove the network
+    lock and repair mode; then the stopped tasks are continued) and CaptureFailed is raised with CRIU's own
+    words. A stop dump leaves the tasks stopped.
     """
     assert leave in ("running", "stopped")
     images = node_dir / "criu"
@@ -190,11 +193,28 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     full_env = criu.env(dict(os.environ, **env, **(extra_env or {})))
     tree = proctree.tree(root_pid)  # CRIU freezes this tree: if CRIU dies, these are what to stop at once
     start = time.monotonic()
-    # CRIU's output goes to a file, never a pipe: a helper CRIU forked and left stopped would hold a pipe open
-    # (and the wait with it) long after CRIU is gone; the wait is on CRIU's exit (a pidfd) instead.
-    with open(node_dir / "criu.out", "wb") as out:
-        proc = subprocess.Popen(protected(cmd), env=full_env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    # Every task is stopped (SIGSTOP) before CRIU seizes it: a task that was in a group stop when its tracer
+    # attached goes back to it when the tracer detaches or dies. So a CRIU killed at any moment leaves the job
+    # stopped, never running under its network lock with its sockets in TCP repair mode (a rank resumed inside
+    # a read failed at once with EPERM); the tasks are continued here once the lock and repair mode are undone,
+    # or once a keep-running dump succeeded. (The images record the tasks as stopped: restore() continues them.)
+    if killed := [p for p in tree if proctree.killed_by(p)]:  # a worker killed, not yet reaped: a failing job
+        raise CaptureFailed(
+            f"processes of the job ({', '.join(map(str, killed))}) were killed and not yet reaped",
+            "the job is failing (a rank or a DataLoader worker was ended by a signal): an image of it would "
+            "restore a job that fails at once",
+            "the job's last verified snapshot is still valid (`cryosleep ls`)")
+    alive = [p for p in tree if proctree.state(p) not in ("Z", "X", "gone")]
+    stop_tasks(tree)
+    try:
+        # CRIU's output goes to a file, never a pipe: a helper CRIU forked and left stopped would hold a pipe
+        # open (and the wait with it) long after CRIU is gone; the wait is on CRIU's exit (a pidfd) instead.
+        with open(node_dir / "criu.out", "wb") as out:
+            proc = subprocess.Popen(protected(cmd), env=full_env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    except BaseException:
+        continue_tasks(proctree.tree(root_pid) or tree)
+        raise
     if on_start is not None:
         on_start(proc.pid)
     try:
@@ -224,16 +244,32 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
                 f"CRIU's log: {kept}",
                 log=str(kept),
             )
+        # A task can only end while it is held (stopped, then seized) by a SIGKILL from outside (an operator,
+        # the OOM killer): the image would hold a job with a process gone (a DataLoader worker dead, say), which
+        # restores into a job that fails at once. Such an image is no snapshot of the job.
+        died = [p for p in alive if proctree.state(p) in ("Z", "X", "gone")]
+        if died:
+            release(criu, root_pid, rid)  # a stop dump's lock too: the job goes on (or ends) unlocked
+            raise CaptureFailed(
+                f"processes of the job ({', '.join(map(str, died))}) were killed while CRIU dumped it",
+                "something outside Cryosleep ended them while the job was held; the image would restore a job "
+                "without them, so it was discarded",
+                "the job's last verified snapshot is still valid (`cryosleep ls`)")
+    except BaseException:
+        continue_tasks(proctree.tree(root_pid) or tree)  # after the rollback above: the lock and repair are gone
+        raise
     finally:
         end_group(proc.pid)
+    if leave == "running":
+        continue_tasks(proctree.tree(root_pid) or tree)
     return DumpResult(elapsed, rid, log)
 
 
 def protected(cmd: list[str]) -> list[str]:
-    """``cmd`` run out of the OOM killer's reach (oom_score_adj -1000, inherited by what CRIU forks): a CRIU
-    killed mid-dump is the one failure a snapshot cannot always undo (docs/reliability.md). CRIU runs from the
-    agent, so the job's own rlimits never apply to it."""
-    return ["/bin/sh", "-c", 'echo -1000 > /proc/self/oom_score_adj 2>/dev/null; exec "$@"', "criu", *cmd]
+    """``cmd`` run out of the OOM killer's reach (the lowest oom_score_adj granted, inherited by what CRIU forks:
+    ``core.oom``): a CRIU killed mid-dump or mid-restore is the one failure a snapshot cannot always undo
+    (docs/reliability.md). CRIU runs from the agent, so the job's own rlimits never apply to it."""
+    return ["/bin/sh", "-c", oom.SHELL, "criu", *cmd]
 
 
 def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
@@ -291,16 +327,25 @@ def _killed(criu: Criu, code: int, root_pid: int, tree: list[int], rid: str | No
         "take the snapshot again; CRIU's log: " + str(kept), log=str(kept))
 
 
-def stop_tasks(pids: list[int]) -> None:
-    """Queue a SIGSTOP to each task and wait (up to 2 s) until they have all stopped or gone."""
+def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGSTOP)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def stop_tasks(pids: list[int]) -> None:
+    """Queue a SIGSTOP to each task and wait (up to 2 s) until they have all stopped or gone."""
+    _signal(pids, signal.SIGSTOP)
     end = time.monotonic() + 2.0
     while time.monotonic() < end and any(proctree.state(p) not in ("T", "t", "gone", "Z") for p in pids):
         time.sleep(0.01)
+
+
+def continue_tasks(pids: list[int]) -> None:
+    """SIGCONT each task (a no-op for a running one)."""
+    _signal(pids, signal.SIGCONT)
 
 
 def _stop_dump(criu: Criu, proc: subprocess.Popen[bytes], root_pid: int, log: Path, gentle: bool = True) -> str:
@@ -367,10 +412,22 @@ def release(criu: Criu, root_pid: int, rid: str | None, repair: bool = False) ->
     unlock_network(criu, rid, root_pid)
     if repair:
         repair_off(root_pid)
-    for pid in proctree.tree(root_pid):
+    continue_tasks(proctree.tree(root_pid))
+
+
+def _die_with_parent() -> None:
+    """In CRIU's child before exec: SIGKILL when the agent dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _end_orphans(before: set[int]) -> None:
+    """End what a failed restore left: a tree CRIU had begun to restore comes to this process (a subreaper)
+    when CRIU dies; killing its root (the sandbox's init) ends its PID namespace."""
+    for pid in set(proctree.children(os.getpid())) - before:
         try:
-            os.kill(pid, signal.SIGCONT)  # a no-op for a running task
-        except ProcessLookupError:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
             pass
 
 
@@ -394,23 +451,39 @@ def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts:
         *(["--action-script", action[0]] if action else []),
     )
     env = criu.env(dict(os.environ, **action[1])) if action else criu.env()
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    before = set(proctree.children(os.getpid()))
+    # As for a dump: output to a file and the wait on CRIU's exit, never on a pipe a helper it forked may hold.
+    # CRIU dies with the agent (the parent death signal): a restore nobody will supervise does not finish.
+    with open(work_dir / "criu.out", "wb") as out:
+        proc = subprocess.Popen(protected(cmd), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise RestoreFailed(
-            f"CRIU did not finish the restore within {timeout:g} s",
-            "the restore was killed",
-            f"see the CRIU log {log}",
-        ) from None
-    if proc.returncode != 0:
-        raise RestoreFailed(
-            f"CRIU could not restore the job (exit code {proc.returncode})",
-            log_tail(log) or out.decode(errors="replace")[-2000:],
-            f"see the CRIU log {log}; `cryosleep check` shows whether this machine can restore",
-            log=str(log),
-        )
-    return int(pidfile.read_text().strip())
+        if not wait_exit(proc, timeout):
+            raise RestoreFailed(
+                f"CRIU did not finish the restore within {timeout:g} s",
+                "the restore was killed, and what it had restored ended; the snapshot is untouched",
+                f"see the CRIU log {log}; restore again",
+            )
+        if proc.returncode < 0:
+            code = -proc.returncode
+            sig = signal.Signals(code).name if code in set(signal.Signals) else str(code)
+            raise RestoreFailed(
+                f"CRIU was killed ({sig}) during the restore",
+                "something outside Cryosleep (the OOM killer, an operator) ended CRIU; what it had restored "
+                "was ended, the snapshot is untouched",
+                f"restore again; CRIU's log: {log}", log=str(log))
+        if proc.returncode != 0:
+            raise RestoreFailed(
+                f"CRIU could not restore the job (exit code {proc.returncode})",
+                log_tail(log) or (work_dir / "criu.out").read_text(errors="replace")[-2000:],
+                f"see the CRIU log {log}; `cryosleep check` shows whether this machine can restore",
+                log=str(log),
+            )
+    except RestoreFailed:
+        end_group(proc.pid)
+        proc.wait()
+        _end_orphans(before)
+        raise
+    init_pid = int(pidfile.read_text().strip())
+    continue_tasks(proctree.tree(init_pid))  # dumped stopped (see dump()), CRIU restores them stopped
+    return init_pid

@@ -245,6 +245,11 @@ class NodeCapture:
                 stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
                 if stages:  # the fast path's staging files: copied in ``commit``, outside the freeze
                     extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
+            if gone := [p for p in self.tree if not proctree.alive(p)]:  # died since the preflight, maybe reaped:
+                raise CaptureFailed(  # an image now would hold a job that fails at once (chaos seed 301)
+                    f"processes of job {self.target.spec.name!r} exited before the dump",
+                    f"its process(es) {', '.join(map(str, gone))} ended while the snapshot ran",
+                    "an ending job cannot be captured; its last snapshot is still valid")
             node_dir = self.staging.node_dir(self.node_rank)
             rec = netlock.DumpRecord(str(node_dir))
             self.record(rec)

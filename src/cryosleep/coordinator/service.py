@@ -236,6 +236,7 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         adm = self.server.gate.admit(method, url.path, _Lower(self.hdrs), self.client_address[0])  # security.py
         if adm.error is not None:  # refused before routing, its body unread
+            self.route = adm.route or next((n for m, p, n in ROUTES if m == method and p.match(url.path)), "unknown")
             self.close_connection = True
             self._send(adm.status, adm.error.to_json(), adm.headers)
             return

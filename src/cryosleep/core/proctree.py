@@ -80,6 +80,17 @@ def start_time(pid: int) -> str:
     return fields[19] if fields else ""
 
 
+def killed_by(pid: int) -> int:
+    """For a zombie: the signal that ended it (its wait status, /proc's field 52), else 0."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    if fields[0] not in ("Z", "X") or len(fields) < 50:
+        return 0
+    return int(fields[49]) & 0x7F
+
+
 def ns_pid(pid: int) -> int | None:
     """The PID of ``pid`` inside its own (innermost) PID namespace."""
     try:
