@@ -8,7 +8,8 @@ For each size it starts ddp_basic (gloo DDP, AdamW; with --gpu: tests/gpu/worklo
 extra state in device memory) with that much extra state per rank under
 `cryosleep run`, takes ``--keep`` keep-running snapshots (2) and a stop snapshot, restores, and prints one
 markdown row per snapshot: pause, each phase, image bytes and the workers' resident memory; for the restore,
-the time from `cryosleep restore` to the job's next step line. The job's step times (when rank 0 logged each
+the time from `cryosleep restore` to the job's next step line (its s/GiB: per GiB of the whole image restored).
+The job's step times (when rank 0 logged each
 step) give two more numbers: before the first snapshot, the median and longest gap between steps (with
 ``--prepare-ahead S`` the agent prepares the fast path's staging files then, and the bench waits until they
 are); and for each keep-running snapshot, "job's step gap", the longest wait between two steps across it: what
@@ -80,10 +81,13 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
     time.sleep(2)
     gmap = ["--gpu-map", a.restore_gpu_map] if a.restore_gpu_map else []
     lines = log.read_text().count("\n")
+    steps = StepClock(log, skip_existing=True)  # the job's own clock: when its next step line appears
     t0 = time.monotonic()
     restored = cli(env, "restore", "--detach", *gmap, str(rows[-1][2]["snapshot"]))
-    wait_lines(log, lines + 1, poll=0.005)
-    restored["first_step_s"] = round(time.monotonic() - t0, 2)
+    first = steps.first_after(t0, timeout=600)
+    steps.stop()
+    restored["first_step_s"] = round(first - t0, 3)
+    restored["bytes"] = rows[-1][2]["bytes"]  # the image restored: the stop snapshot's
     rows.append((mem, f"restore ({path})", restored))
     say(mem, "restore", path, restored)
     wait_lines(log, lines + 3)
@@ -93,13 +97,15 @@ class StepClock:
     """When each new step line of a rank's log appeared (polled every 2 ms), until stopped: how regularly the job
     stepped before the first snapshot, and its longest wait across each snapshot."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, skip_existing: bool = False) -> None:
         self.log, self.times, self.done = log, list[float](), threading.Event()
+        # skip_existing: only lines added from now on count (the restored job goes on writing the same log)
+        self.start = log.stat().st_size if skip_existing and log.exists() else 0
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        pos, part = 0, b""  # how far the log was read; the start of a line not yet ended
+        pos, part = self.start, b""  # how far the log was read; the start of a line not yet ended
         while not self.done.is_set():
             with contextlib.suppress(OSError), open(self.log, "rb") as f:  # only what was added since
                 f.seek(pos)
@@ -112,6 +118,16 @@ class StepClock:
     def stop(self) -> None:
         self.done.set()
         self.thread.join()
+
+    def first_after(self, t0: float, timeout: float) -> float:
+        """When the first step line after ``t0`` appeared; exit saying so after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            after = [t for t in self.times if t >= t0]
+            if after:
+                return after[0]
+            time.sleep(0.002)
+        raise SystemExit(f"{self.log}: no step line within {timeout:g} s")
 
     def summary(self, until: float) -> dict[str, object]:
         """The steps logged before ``until``: how many, the median and longest gap between two."""
@@ -200,7 +216,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still gets the table printed
     try:
         for mem, path in [(m, x) for m in a.mem_mb for x in a.paths]:
-            name = f"bench{mem}{path}"
+            name = f"bench{mem}{path}-{os.getpid()}"  # its own: other runs of the bench may share the machine
             try:
                 measure(a, env, tmp, name, mem, path, rows)
             except SystemExit as e:  # a failed command: its row says why, the next size still runs
@@ -224,10 +240,14 @@ def main() -> None:
             if kind.startswith("failed"):
                 print(f"| {mem} | {kind} | - | - | - | {res['error']} | - | - |".replace("\n", " "))
                 continue
-            if kind.startswith("restore"):
-                per = f"{float(res['first_step_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
+            if kind.startswith("restore"):  # s/GiB: of the whole image (every rank's memory and the rest)
+                per = f"{float(res['first_step_s']) / (int(res['bytes']) / 2**30):.3f}"  # type: ignore[call-overload]
+                streamed = dict(res.get("streamed") or {})  # type: ignore[call-overload]
+                if streamed.get("bytes"):
+                    phases += f" (pages hashed meanwhile: {int(streamed['bytes']) / 2**20:.0f} MiB in " \
+                              f"{float(streamed['seconds']):.2f} s)"
                 print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | {per} | - | {phases} "
-                      "| - | - |")
+                      f"| {int(res['bytes']) / 2**20:.0f} MiB | - |")  # type: ignore[call-overload]
                 continue
             per = f"{float(res['pause_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
             if res.get("plain"):

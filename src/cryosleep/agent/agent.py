@@ -32,13 +32,11 @@ from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Token, underlay_towards
 from cryosleep.core import oom, privileges, proctree
 from cryosleep.core.interceptor import Cmd, State
-from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, JobState
+from cryosleep.core.job import ENDING_WAIT_S, EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
-from cryosleep.store.auth import STRICT, Trust
 from cryosleep.store.local import LocalStore
-from cryosleep.timing import Progress
 
 PR_SET_CHILD_SUBREAPER = 36
 # the signals the sandbox's init passes on to the workers (native/init/cryosleep-init.c); others become SIGTERM
@@ -60,9 +58,6 @@ PREPARE_ENV = "CRYOSLEEP_PREPARE_EVERY_S"
 # SIGTERM the agent sent (marked), not a scheduler's SIGTERM to every process of the job (Slurm's scancel, requeue,
 # time limit, preemption): native/nccl/interceptor/shield.c, docs/triggers.md
 TERM_SHIELD_ENV = "CRYOSLEEP_TERM_SHIELD"
-# How long a run or restore waits for an agent of the same job that is still ending (after a stop snapshot: its
-# job's processes exit, freeing device and pinned memory, and it removes the staging files; seconds at 24 GiB).
-ENDING_WAIT_S = 120.0
 
 
 def interceptor_lib() -> Path:
@@ -236,6 +231,7 @@ class Agent:
         self._signals = 0
         self._handlers: list[threading.Thread] = []
         self.restore_phases: dict[str, float] = {}
+        self.restore_streamed: dict[str, float] = {}  # the image's pages checked as CRIU read them: bytes, seconds
         self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
         self.triggers: Triggers | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
         self.devmem_dirs: set[Path] = set()  # a restored job's fast-path staging directories
@@ -283,19 +279,8 @@ class Agent:
 
     def undo_dead_dump(self) -> None:
         """(the job's lock just taken) What a previous agent of this job left on this host when it died during a
-        dump (its CRIU, its network lock, its staging) is undone; nothing when it left nothing."""
-        try:
-            old = self.job.read()[1]
-        except (CryosleepError, OSError, ValueError, KeyError, TypeError):
-            return
-        if old.dump:
-            try:
-                nft = criu_install.locate().nft_argv
-            except CryosleepError:
-                nft = None
-            done = netlock.undo(netlock.DumpRecord.from_json(old.dump), nft)
-            if done:
-                self.log_line(f"job {self.spec.name}'s previous agent died during a dump: " + ", ".join(done))
+        dump is undone (capture/netlock.py)."""
+        netlock.undo_dead_dump(self.job, self.log_line)
 
     @property
     def stopping(self) -> bool:
@@ -381,30 +366,16 @@ class Agent:
         self.record_in_store("running", None)
         self.tail = LogTail(self.job, self.console_ranks(), self.out)
 
-    def restore(self, store: LocalStore, ref: str, *, progress: Progress | None = None,
-                timeout: float = 600.0, gpu_map: list[int] | None = None,
-                rendezvous: coordinated.RestoreRendezvous | None = None,
-                trust: Trust = STRICT) -> capture_restore.Restored:
-        """Bring the job back from a snapshot into a fresh sandbox. ``rendezvous``: one node of a multi-node
-        restore: nothing starts unless every node passed its checks, and ids cross nodes at the rebuild (the
-        caller tells the other nodes when this fails: ``RestoreRendezvous.failed``)."""
-        become_subreaper()
-
-        def before_criu(manifest: Any) -> list[str] | None:
-            if self.lock_fd < 0:  # the launcher may hold it already (it chose, under it, to resume)
-                self.lock_fd = self._take_lock()
-            self.undo_dead_dump()
-            for r in self.spec.ranks:  # a later run's error reports: never read as the restored job's
-                failures.error_file(self.job, r).unlink(missing_ok=True)
-            if rendezvous is None:
-                return None
-            rendezvous.barrier(int(manifest.nodes[0].nccl.get("generation") or 0))
-            self.barrier_peers = tuple(rendezvous.peers)
-            return rendezvous.peers  # the other nodes' underlay addresses: the overlay before the rebuild
-
-        restored = capture_restore.restore(store, ref, self.job.path / "restore", timeout=timeout,
-                                           progress=progress, before_criu=before_criu, gpu_map=gpu_map,
-                                           net_peers=self.net_peers, relay=rendezvous, trust=trust)
+    def restore(self, run: capture_restore.RestoreRun) -> capture_restore.Restored:
+        """Bring the job back from a snapshot into a fresh sandbox (capture/restore.py: every phase, and the undo
+        of what ran when one fails), then supervise it as a launched one."""
+        become_subreaper()  # CRIU's restored tree is re-parented to this agent
+        if self.lock_fd >= 0 and run.req.lock_fd < 0:  # the launcher holds it already (it chose, under it, to resume)
+            run.req.lock_fd = run.lock_fd = self.lock_fd
+        run.req.log = run.req.log or self.log_line
+        restored = run.run()
+        self.lock_fd = restored.lock_fd
+        self.barrier_peers = restored.peers
         self.spec = restored.spec
         fast = restored.manifest.nodes[0].gpu.get("fast_path") or {}
         self.devmem_dirs = {Path(e["stage_path"]).parent for e in fast.get("ranks", {}).values()}
@@ -415,6 +386,7 @@ class Agent:
         self.record_in_store("running", restored.manifest.id)
         self.tail = LogTail(self.job, self.console_ranks(), self.out, from_end=True)
         self.restore_phases = restored.phases.rounded()
+        self.restore_streamed = restored.streamed
         return restored
 
     # -- supervising ------------------------------------------------------------------------------

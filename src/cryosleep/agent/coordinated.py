@@ -489,13 +489,6 @@ def connect(agent: NodeAgent, url: str, token: str, *, wait_s: float = 20.0) -> 
     return AgentRunner(url, token, backend, reg, wait_s=wait_s, log=log).start()
 
 
-def problems_of(e: BaseException) -> list[str]:
-    """What to tell the other nodes of a multi-node restore about this node's failure."""
-    if isinstance(e, CryosleepError):
-        return list(e.details.get("problems") or []) or [f"{e.what}: {e.why}" if e.why else e.what]
-    return [f"the restore was interrupted ({type(e).__name__}{': ' + str(e) if str(e) else ''})"]
-
-
 class RestoreRendezvous:
     """One node of a multi-node restore (``cryosleep restore SNAPSHOT --node-rank I``), meeting the others at the
     coordinator (coordinator/rendezvous.py):
@@ -505,9 +498,10 @@ class RestoreRendezvous:
     * ``barrier``, once this node's checks passed (``failed`` when anything before failed): waits until every node
       is ready, so that nothing starts anywhere unless every node can restore; one node's problems stop them all,
       each told which node failed and why;
-    * ``generation`` and ``exchange`` (``capture.restore.Relay``), after CRIU: the REBUILD generation all nodes use
-      (above any the images hold), and the communicators' fresh ids across nodes; a node that fails past the
-      barrier (``failed`` again) tells the others, which stop waiting for its ids and end their part.
+    * ``generation`` and ``exchange`` (with the above: ``capture.restore.Meeting``), after CRIU: the REBUILD
+      generation all nodes use (above any the images hold), and the communicators' fresh ids across nodes; a
+      node that fails past the barrier (``failed`` again) tells the others, which stop waiting for its ids and
+      end their part.
 
     The nodes that passed one barrier together share an attempt id (from the tokens they posted), so that what an
     earlier, failed attempt left on the board is never taken. The board outlives its coordinator (it is in the

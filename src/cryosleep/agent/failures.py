@@ -27,7 +27,7 @@ _ENDED = {f"signal {int(signal.SIGTERM)}", f"signal {int(signal.SIGKILL)}"}
 
 def error_file(job: JobDir, rank: int | str) -> Path:
     """Rank ``rank``'s error file (``"{rank}"``: the pattern cryosleep-init fills in for each worker)."""
-    return job.logs / f"rank-{rank}.error.json"
+    return job.error_file(rank)
 
 
 @dataclass(frozen=True)

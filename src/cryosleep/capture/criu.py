@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -433,12 +433,13 @@ def _end_orphans(before: set[int]) -> None:
 
 def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts: list[str] | None = None,
             veths: list[tuple[str, str, str]] | None = None,
-            action: tuple[str, dict[str, str]] | None = None) -> int:
+            actions: Sequence[tuple[str, dict[str, str]]] = ()) -> int:
     """Restore a sandbox detached (it is re-parented to the calling subreaper); return its init's PID.
 
     ``veths``: (name inside, new host end, bridge) for a sandbox with its own network namespace: CRIU
     recreates each pair with the new host end as a port of the bridge (the caller removes it on failure).
-    ``action``: an ``--action-script`` and the environment it reads (capture.outbound's pre-resume reset)."""
+    ``actions``: ``--action-script``s and the environments they read (CRIU runs each at every stage, in order:
+    capture.imagecheck's post-restore gate, capture.outbound's pre-resume reset)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     pidfile = work_dir / "restore.pid"
     pidfile.unlink(missing_ok=True)
@@ -448,9 +449,10 @@ def restore(criu: Criu, images: Path, work_dir: Path, *, timeout: float, mounts:
         "--tcp-established", "--file-locks", "--restore-detached", "--pidfile", str(pidfile),
         *(["--root", "/", *_external_args(mounts)] if mounts else []),
         *[a for inside, end, bridge in (veths or []) for a in ("--external", f"veth[{inside}]:{end}@{bridge}")],
-        *(["--action-script", action[0]] if action else []),
+        *[a for script, _ in actions for a in ("--action-script", script)],
     )
-    env = criu.env(dict(os.environ, **action[1])) if action else criu.env()
+    extra = {k: v for _, e in actions for k, v in e.items()}
+    env = criu.env(dict(os.environ, **extra)) if extra else criu.env()
     before = set(proctree.children(os.getpid()))
     # As for a dump: output to a file and the wait on CRIU's exit, never on a pipe a helper it forked may hold.
     # CRIU dies with the agent (the parent death signal): a restore nobody will supervise does not finish.

@@ -23,13 +23,16 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cryosleep.capture import criu_install
 from cryosleep.capture.criu import run_id
 from cryosleep.core import proctree
+from cryosleep.core.job import JobDir
+from cryosleep.errors import CryosleepError
 
 TABLE_RE = re.compile(r"^table (\S+) (CRIU-\S+)$")
 # one element of a CRIU lock set: "127.0.0.1 . 52410 . 127.0.0.1 . 29500"
@@ -70,6 +73,23 @@ def _is_criu_of(pid: int, work_dir: str) -> bool:
     except OSError:
         return False
     return b"dump" in argv and work_dir.encode() in argv
+
+
+def undo_dead_dump(job: JobDir, log: Callable[[str], None]) -> None:
+    """(the job's lock just taken) What a previous agent of this job left on this host when it died during a
+    dump (its CRIU, its network lock, its staging) is undone; nothing when it left nothing."""
+    try:
+        old = job.read()[1]
+    except (CryosleepError, OSError, ValueError, KeyError, TypeError):
+        return
+    if old.dump:
+        try:
+            nft = criu_install.locate().nft_argv
+        except CryosleepError:
+            nft = None
+        done = undo(DumpRecord.from_json(old.dump), nft)
+        if done:
+            log(f"job {job.name}'s previous agent died during a dump: " + ", ".join(done))
 
 
 def undo(rec: DumpRecord, nft: Sequence[str] | None) -> list[str]:

@@ -1,21 +1,35 @@
-"""Restoring a job on this node from a snapshot: one linear list of phases, one rollback.
+"""Restoring a job on this node from a snapshot: one linear list of phases, one record of what to undo.
 
-    verify    the manifest's MAC and paths checked (store/auth.py), then every image file re-read and checked
-              against the manifest (nothing has started yet)
-    compat    this machine can take the image: kernel, CRIU, the job name free, paths present
+    fetch     the snapshot found in the local store, or fetched into it from a remote one (every chunk and file
+              checked as it lands); its manifest authenticated (MAC, paths: store/auth.py) before anything uses
+              what it says. A node of a multi-node restore first tells the others it is coming
+    verify    every image file checked against the manifest: the small ones (what CRIU parses as root, the
+              job's files) read and hashed now; the pages files (the workers' memory) checked for size now and
+              hashed while the next phases and CRIU run (capture/imagecheck.py): one read, not two
+    compat    this machine can take the image: GPUs, kernel, CRIU, paths present, the job's files as expected
+    lock      the job's lock (unless the launcher holds it); what a dead agent's dump left undone; no CRIU network
+              lock of another dump in the way
+    barrier   (multi-node) every node passed its checks, or none starts; the overlay peers learned
     files     the job's files brought back to their state at the snapshot
+    devmem    (fast path) the staging files of device memory back, each piece checked as it is copied
     network   (job network) the job's bridge and overlay here, a fresh host end for the sandbox's veth
-    restore   CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash); its pre-resume
-              action resets the connections to peers outside the job before any task runs (capture/outbound.py)
+    criu      CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash). At post-restore
+              (every task restored, none run) it waits for the pages' verdict: a file that does not match stops
+              the restore there. Its pre-resume action resets the connections to peers outside the job
+              (capture/outbound.py)
     outbound  what that action could not reset is reset now, or told
     cuda-restore, cuda-unlock
               (GPU jobs) device memory back, onto other GPUs through a UUID map when they differ
-    rebuild   (NCCL jobs) the workers' interceptors, restored QUIESCED with their control blocks (put back
-              by the files phase), re-create every communicator from fresh unique ids; then the gates open
+    reload, rebuild
+              (NCCL jobs) the workers' interceptors, restored QUIESCED (or OFFLOADED) with their control blocks
+              (put back by the files phase), bring device memory back and re-create every communicator from fresh
+              unique ids (across nodes through the coordinator); then the gates open
 
-Rollback: if CRIU fails after the files were put back, nothing of the job is running; the files stay at the
-snapshot's state, which is what a retry needs. If anything fails after CRIU restored the job (CUDA restore,
-NCCL rebuild), the restored job is killed: a half-restored job must not linger.
+Undo: each phase that changes something records how to take it back (core/undo.py); a failure at any phase
+undoes exactly what ran, newest first: the restored job killed (a half-restored job must not linger), the veth
+and the job network's bridge removed, the fast path's staging files removed, the job's lock let go (when this
+restore took it), the other nodes told why. The job's files put back stay at the snapshot's state: nothing of
+the job runs, and that is what a retry needs.
 """
 
 from __future__ import annotations
@@ -27,22 +41,72 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from cryosleep import paths
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files, netlock, outbound
+from cryosleep.capture import criu_install, cuda, files, imagecheck, netlock, outbound
 from cryosleep.core import proctree
 from cryosleep.core.interceptor import Cmd, ControlBlock, State
-from cryosleep.core.job import JobSpec
+from cryosleep.core.job import ENDING_WAIT_S, JobDir, JobSpec
+from cryosleep.core.undo import UndoLog
 from cryosleep.cut.driver import STATE_NAMES, Driver
-from cryosleep.errors import InterceptorError, NotEligible, RestoreFailed, StoreCorrupt
+from cryosleep.errors import CryosleepError, InterceptorError, NotEligible, NotFound, RestoreFailed, StoreCorrupt
 from cryosleep.net import sandbox as net_sandbox
-from cryosleep.store import auth
+from cryosleep.store import auth, persist
 from cryosleep.store.local import LocalStore
 from cryosleep.store.manifest import FileEntry, Manifest
 from cryosleep.timing import Phases, Progress
+
+
+class Meeting(Protocol):
+    """One node of a multi-node restore meeting the others (agent/coordinated.py's RestoreRendezvous): told at
+    the start, at the barrier and at a failure; after CRIU, the REBUILD generation every node uses and the fresh
+    ids of communicators whose rank-0 member was restored on another node."""
+
+    peers: list[str]  # the other nodes' underlay addresses, once the barrier passed
+
+    def announce(self) -> None: ...
+    def barrier(self, gen: int) -> None: ...
+    def failed(self, problems: list[str]) -> None: ...
+    def generation(self) -> int: ...
+    def exchange(self, gen: int, uids: dict[int, bytes], need: list[int], deadline: float) -> dict[int, bytes]: ...
+
+
+@dataclass
+class Request:
+    """What to restore, from where, and how; the CLI builds one from its arguments."""
+
+    ref: str
+    """The snapshot: an id or a unique prefix."""
+    where: str | Path | None = None
+    """A store directory (its chunk store ``DIR/cas`` tried when the directory store lacks it), or s3://... (fetched
+    into $CRYOSLEEP_STORE unless already there); None: $CRYOSLEEP_STORE."""
+    key_file: Path | None = None
+    """The job's encryption key, for a remote store's chunks (and the signing key derived from it)."""
+    trust: auth.Trust | None = None
+    """How the manifest is authenticated (default: strict, with ``key_file``)."""
+    timeout: float = 600.0
+    """CRIU's restore and a multi-node rebuild give up after this."""
+    gpu_map: list[int] | None = None
+    """GPU i of the snapshot goes to GPU gpu_map[i] here (default: by position)."""
+    net_peers: Sequence[str] = ()
+    """The job network's overlay peers (other hosts' addresses); default: those the barrier learned."""
+    meeting: Meeting | None = None
+    """One node of a multi-node restore: the others, met at the coordinator."""
+    lock_fd: int = -1
+    """The job's lock, when the caller holds it already (a launch that chose to resume); else the lock phase
+    takes it, and a failure lets it go."""
+    work_dir: Path | None = None
+    """CRIU's work directory (default: the job's ``restore/``)."""
+    progress: Progress | None = None
+    """Told each phase as it starts and ends."""
+    transfer: persist.EventSink | None = None
+    """Told a remote fetch's progress."""
+    log: Callable[[str], None] | None = None
+    """A line for the agent's log (default: the agent's own, when it runs the restore)."""
 
 
 @dataclass
@@ -52,6 +116,246 @@ class Restored:
     init_pid: int
     phases: Phases
     net_end: str | None = None  # the restored sandbox's veth host end (job network), for its release
+    job: JobDir | None = None
+    lock_fd: int = -1  # the job's lock, held from here on by whoever supervises the restored job
+    peers: tuple[str, ...] = ()  # the overlay peers a multi-node restore learned at its barrier
+    fetched: dict[str, Any] | None = None  # what was fetched from where (None: it was local)
+    streamed: dict[str, float] = field(default_factory=dict)  # the pages checked as CRIU read them: bytes, seconds
+
+
+def problems_of(e: BaseException) -> list[str]:
+    """What to tell the other nodes of a multi-node restore about this node's failure."""
+    if isinstance(e, CryosleepError):
+        return list(e.details.get("problems") or []) or [f"{e.what}: {e.why}" if e.why else e.what]
+    return [f"the restore was interrupted ({type(e).__name__}{': ' + str(e) if str(e) else ''})"]
+
+
+class RestoreRun:
+    """One restore: :meth:`run` goes through the phases in order. :meth:`fetch` may be called first on its own,
+    for the caller to learn the job before the rest runs (a detached agent's log is named after it)."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.phases = Phases(req.progress)
+        self.undo = UndoLog(self.log)
+        self.store: LocalStore | None = None
+        self.manifest: Manifest | None = None
+        self.fetched: dict[str, Any] | None = None
+        self.lock_fd = req.lock_fd
+        self.peers: tuple[str, ...] = ()
+        self.pairs: list[tuple[bytes, bytes]] = []
+        self.veths: list[tuple[str, str, str]] = []
+        self.init_pid = 0
+        self.pages: imagecheck.PageCheck | None = None
+        self.criu: criu_install.Criu | None = None
+
+    def log(self, msg: str) -> None:
+        if self.req.log is not None:
+            self.req.log(msg)
+
+    # -- the sequence ------------------------------------------------------------------------------------
+
+    def run(self) -> Restored:
+        """Every phase, in order; on a failure, what ran is undone and the error raised."""
+        steps: list[tuple[str, Callable[[], bool], Callable[[], None]]] = [
+            ("verify", lambda: True, self._verify),
+            ("compat", lambda: True, self._compat),
+            ("lock", lambda: True, self._lock),
+            ("barrier", lambda: self.req.meeting is not None, self._barrier),
+            ("files", lambda: True, self._files),
+            ("devmem", lambda: bool(self._fast().get("ranks")), self._devmem),
+            ("network", lambda: bool(self.spec.net), self._network),
+            ("criu", lambda: True, self._criu),
+            ("outbound", lambda: self.resets is not None, self._outbound),
+            ("cuda-restore", lambda: bool(self.node.gpu.get("cuda_pids")), self._cuda_restore),
+            ("cuda-unlock", lambda: bool(self.node.gpu.get("cuda_pids")), self._cuda_unlock),
+        ]
+        self.fetch()
+        try:
+            try:
+                for name, applies, step in steps:
+                    if applies():
+                        with self.phases.phase(name):
+                            step()
+                if self.node.nccl.get("ranks"):  # its own phases: reload (offloaded memory), rebuild
+                    self._rebuild()
+            except BaseException as e:
+                self.undo.undo(e)
+                raise
+        finally:
+            if self.pages is not None:
+                self.pages.close()
+        self.undo.forget()
+        assert self.manifest is not None
+        return Restored(self.manifest, self.spec, self.init_pid, self.phases,
+                        self.veths[0][1] if self.veths else None, self.job, self.lock_fd, self.peers, self.fetched,
+                        {"bytes": self.pages.bytes, "seconds": round(self.pages.seconds, 4)} if self.pages else {})
+
+    def fetch(self) -> Manifest:
+        """The fetch phase (once): the snapshot in a local store, its manifest authenticated."""
+        if self.manifest is not None:
+            return self.manifest
+        meeting = self.req.meeting
+        if meeting is not None:  # before the fetch: this node is coming; whatever it fails at, the others are told
+            meeting.announce()
+            self.undo.push("tell the other nodes", lambda e: meeting.failed(problems_of(e)))
+        try:
+            with self.phases.phase("fetch"):
+                self.store, self.manifest, self.fetched = locate(self.req)
+        except BaseException as e:
+            self.undo.undo(e)
+            raise
+        self.spec = JobSpec.from_json(self.manifest.job)
+        self.job = JobDir(self.manifest.job_name)
+        self.node = self.manifest.nodes[0]
+        self.resets = outbound.RestoreReset.plan(self.spec, self.node.outbound, self.work_dir)
+        return self.manifest
+
+    def abandon(self, cause: BaseException) -> None:
+        """The caller gives up on this restore (between :meth:`fetch` and :meth:`run`, or after a failure of
+        either: then nothing is left to undo): what ran is undone."""
+        self.undo.undo(cause)
+        if self.pages is not None:
+            self.pages.close()
+
+    @property
+    def base(self) -> Path:
+        assert self.store is not None and self.manifest is not None
+        return self.store.path_of(self.manifest.id)
+
+    @property
+    def node_dir(self) -> Path:
+        return self.base / "nodes" / str(self.node.node_rank)
+
+    @property
+    def work_dir(self) -> Path:
+        return self.req.work_dir or self.job.path / "restore"
+
+    def _fast(self) -> dict[str, Any]:
+        return self.node.gpu.get("fast_path") or {}
+
+    # -- the phases --------------------------------------------------------------------------------------
+
+    def _verify(self) -> None:
+        assert self.store is not None and self.manifest is not None
+        pages = imagecheck.streamed_files(self.manifest)
+        self.pages = imagecheck.PageCheck(self.base, pages)
+        self.pages.start()  # from now on, beside the rest; its verdict is awaited at CRIU's post-restore
+        bad = self.store.verify(self.manifest.id, skip=devmem_files(self.manifest), sizes_only=pages)
+        if bad:
+            raise corrupt(self.manifest.id, bad)
+
+    def _compat(self) -> None:
+        assert self.manifest is not None
+        self.criu = criu_install.locate()
+        if self.node.gpu.get("gpus"):
+            self.pairs = gpu_pairs(self.node.gpu["gpus"], cuda.driver().gpus(), self.req.gpu_map)
+        problems = compat_problems(self.manifest, self.criu)
+        problems += files.plan_restore(self.node.staged, self.node_dir / "files")
+        problems += files.check_expected(self.node.expected)
+        if problems:
+            raise NotEligible(f"snapshot {self.manifest.id} cannot be restored on this machine", "; ".join(problems),
+                              "restore it on a compatible machine, or fix what is listed", problems=problems)
+
+    def _lock(self) -> None:
+        assert self.criu is not None
+        if self.lock_fd < 0:
+            def say() -> None:
+                self.log(f"job {self.job.name}'s previous agent is still ending: waiting up to "
+                             f"{ENDING_WAIT_S:g} s")
+
+            fd = self.lock_fd = self.job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say)
+            self.undo.push("let go of the job's lock", lambda _e: os.close(fd))
+        netlock.undo_dead_dump(self.job, self.log)
+        for r in self.spec.ranks:  # a later run's error reports: never read as the restored job's
+            self.job.error_file(r).unlink(missing_ok=True)
+        refuse_under_lock(self.spec, self.criu)
+
+    def _barrier(self) -> None:
+        assert self.req.meeting is not None
+        self.req.meeting.barrier(int(self.node.nccl.get("generation") or 0))
+        self.peers = tuple(self.req.meeting.peers)  # the other nodes' underlay addresses: the overlay's peers
+
+    def _files(self) -> None:
+        files.restore(self.node.staged, self.node_dir / "files")
+
+    def _devmem(self) -> None:
+        assert self.manifest is not None
+        ranks = self._fast()["ranks"]
+        bad = put_devmem(ranks, self.node_dir, devmem_files(self.manifest))
+        if bad:
+            raise corrupt(self.manifest.id, bad)
+        self.undo.push("remove the fast path's staging files", lambda _e: remove_devmem(ranks))
+
+    def _network(self) -> None:
+        veths = self.veths = net_sandbox.prepare_restore(self.spec.net, self.req.net_peers or self.peers)
+        self.undo.push("remove the veth and the job network here", lambda _e: net_sandbox.undo_restore(
+            self.spec.net, veths))
+
+    def _criu(self) -> None:
+        assert self.criu is not None and self.pages is not None and self.manifest is not None
+        actions = [self.pages.gate(self.work_dir)] if self.pages.entries else []
+        if self.resets is not None:
+            actions.append(self.resets.hook())
+        try:
+            pid = criu_calls.restore(self.criu, self.node_dir / "criu", self.work_dir, timeout=self.req.timeout,
+                                     mounts=self.node.mounts, veths=self.veths, actions=actions)
+        except RestoreFailed:
+            bad = self.pages.problems()  # an altered pages file stops CRIU at its gate: say so, not "CRIU failed"
+            if bad:
+                raise corrupt(self.manifest.id, bad) from None
+            raise
+        except OSError as e:
+            raise RestoreFailed("CRIU could not be started", str(e), "run `cryosleep check`") from e
+        self.init_pid = pid
+        self.undo.push("end the restored job", lambda _e: _kill_tree(pid))
+        bad = self.pages.problems()  # settled at the gate; asked again so that no path runs an unchecked image
+        if bad:
+            raise corrupt(self.manifest.id, bad)
+        net_sandbox.after_restore(self.veths)
+
+    def _outbound(self) -> None:
+        assert self.resets is not None
+        self.resets.finish(self.init_pid)  # never raises: what it could not reset is told, the job runs on
+
+    def _cuda_restore(self) -> None:
+        self.gpus = cuda.GpuSet(host_pids(self.init_pid, self.node.gpu["cuda_pids"]))
+        self.gpus.restore(self.pairs)
+
+    def _cuda_unlock(self) -> None:
+        self.gpus.unlock()
+
+    def _rebuild(self) -> None:
+        # across nodes, the others may still be in their CRIU restore: wait for them within the restore's time
+        meeting = self.req.meeting
+        rebuild_nccl(self.init_pid, self.node.nccl, self.phases,
+                     timeout=30.0 if meeting is None else min(self.req.timeout, 300.0), relay=meeting)
+
+
+def locate(req: Request) -> tuple[LocalStore, Manifest, dict[str, Any] | None]:
+    """The local store holding the snapshot, its manifest (authenticated), and what was fetched from where
+    (None: it was local): {"store", "bytes", "seconds", "rate"}."""
+    trust = req.trust or auth.Trust(key_file=req.key_file)
+    remote = persist.is_remote(req.where)
+    local = LocalStore(paths.default_store() if remote or req.where is None else Path(req.where))
+    try:
+        sid = local.resolve(req.ref)
+        manifest = local.load(sid)
+        auth.authenticate(manifest, sid, trust)  # before anything uses what the manifest says
+        return local, manifest, None
+    except NotFound:
+        url = persist.normalize_url(req.where) if remote and req.where is not None else str(local.root)
+        if not remote and not (local.root / "cas" / "snapshots").is_dir():
+            raise
+    manifest, rec = persist.fetch(url, req.ref, local, key_file=req.key_file, progress=req.transfer, trust=trust)
+    auth.authenticate(manifest, manifest.id, trust)
+    rate = rec.bytes_total / rec.verify_s if rec.verify_s else 0.0
+    return local, manifest, {"store": url, "bytes": rec.bytes_total, "seconds": rec.verify_s, "rate": round(rate, 1)}
+
+
+def restore(store: LocalStore, ref: str, work_dir: Path, **kw: Any) -> Restored:
+    """Restore snapshot ``ref`` of ``store`` here (a :class:`Request`'s other fields as keywords)."""
+    return RestoreRun(Request(ref=ref, where=store.root, work_dir=work_dir, **kw)).run()
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -121,94 +425,6 @@ def refuse_under_lock(spec: JobSpec, criu: criu_install.Criu) -> None:
             f"wait for the dump of any job on port {spec.master_port} to end; if none runs, `cryosleep check` "
             f"removes what a dead agent left, or remove it: nft delete table {locks[0]}; then restore again",
             locks=locks)
-
-
-def restore(store: LocalStore, ref: str, work_dir: Path, *, timeout: float = 600.0,
-            progress: Progress | None = None, before_criu: Callable[[Manifest], Sequence[str] | None] | None = None,
-            gpu_map: list[int] | None = None, net_peers: Sequence[str] = (), relay: Relay | None = None,
-            trust: auth.Trust = auth.STRICT) -> Restored:
-    """Restore snapshot ``ref`` (one node's image) here. ``before_criu``: called once the checks
-    passed, before anything is changed; it may return the job network's overlay peers it learned (a multi-node
-    restore's barrier), used when ``net_peers`` is empty. ``trust``: how the snapshot is authenticated (its MAC
-    and paths are checked first, before any file is read for the job, written or started)."""
-    phases = Phases(progress)
-    criu = criu_install.locate()
-    with phases.phase("verify"):
-        sid = store.resolve(ref)
-        manifest = store.load(sid)
-        auth.authenticate(manifest, sid, trust)
-        devmem = devmem_files(manifest)  # checked as the devmem phase copies them: read once, not twice
-        bad = store.verify(manifest.id, skip=devmem)
-        if bad:
-            raise corrupt(manifest.id, bad)
-    spec = JobSpec.from_json(manifest.job)
-    base = store.path_of(manifest.id)
-    node = manifest.nodes[0]
-    node_dir = base / "nodes" / str(node.node_rank)
-    pairs: list[tuple[bytes, bytes]] = []
-    with phases.phase("compat"):
-        if node.gpu.get("gpus"):
-            pairs = gpu_pairs(node.gpu["gpus"], cuda.driver().gpus(), gpu_map)
-        problems = compat_problems(manifest, criu)
-        problems += files.plan_restore(node.staged, node_dir / "files")
-        problems += files.check_expected(node.expected)
-        if problems:
-            raise NotEligible(
-                f"snapshot {manifest.id} cannot be restored on this machine",
-                "; ".join(problems),
-                "restore it on a compatible machine, or fix what is listed",
-                problems=problems,
-            )
-        if before_criu:
-            learned = before_criu(manifest)
-            net_peers = net_peers or learned or ()
-        refuse_under_lock(spec, criu)
-    with phases.phase("files"):
-        files.restore(node.staged, node_dir / "files")
-    fast = node.gpu.get("fast_path") or {}
-    if fast.get("ranks"):
-        with phases.phase("devmem"):
-            bad = put_devmem(fast["ranks"], node_dir, devmem)
-            if bad:
-                raise corrupt(manifest.id, bad)
-    veths: list[tuple[str, str, str]] = []
-    if spec.net:  # the job network: its bridge (and overlay) here; CRIU recreates the veth (docs/network.md)
-        with phases.phase("network"):
-            veths = net_sandbox.prepare_restore(spec.net, net_peers)
-    resets = outbound.RestoreReset.plan(spec, node.outbound, work_dir)
-    with phases.phase("restore"):
-        try:
-            init_pid = criu_calls.restore(criu, node_dir / "criu", work_dir, timeout=timeout, mounts=node.mounts,
-                                          veths=veths, action=resets.hook() if resets else None)
-        except RestoreFailed:
-            net_sandbox.undo_restore(spec.net, veths)
-            raise
-        except OSError as e:
-            net_sandbox.undo_restore(spec.net, veths)
-            raise RestoreFailed("CRIU could not be started", str(e), "run `cryosleep check`") from e
-    try:
-        net_sandbox.after_restore(veths)
-    except BaseException:
-        _kill_tree(init_pid)
-        raise
-    if resets is not None:
-        with phases.phase("outbound"):
-            resets.finish(init_pid)  # never raises: what it could not reset is told, the job runs on
-    try:
-        if node.gpu.get("cuda_pids"):
-            gpus = cuda.GpuSet(host_pids(init_pid, node.gpu["cuda_pids"]))
-            with phases.phase("cuda-restore"):
-                gpus.restore(pairs)
-            with phases.phase("cuda-unlock"):
-                gpus.unlock()
-        if node.nccl.get("ranks"):
-            # across nodes, the others may still be in their CRIU restore: wait for them within the restore's time
-            rebuild_nccl(init_pid, node.nccl, phases, timeout=30.0 if relay is None else min(timeout, 300.0),
-                         relay=relay)
-    except BaseException:
-        _kill_tree(init_pid)  # a half-restored job must not linger
-        raise
-    return Restored(manifest, spec, init_pid, phases, veths[0][1] if veths else None)
 
 
 def corrupt(sid: str, bad: list[str]) -> StoreCorrupt:
@@ -298,16 +514,17 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
     return problems
 
 
-class Relay(Protocol):
-    """A multi-node restore's rebuild (agent/coordinated.py's RestoreRendezvous): the REBUILD generation every
-    node uses, and the fresh ids of communicators whose rank-0 member was restored on another node."""
-
-    def generation(self) -> int: ...
-    def exchange(self, gen: int, uids: dict[int, bytes], need: list[int], deadline: float) -> dict[int, bytes]: ...
+def remove_devmem(ranks: dict[str, Any]) -> None:
+    """Undo of :func:`put_devmem`: the staging files it put back removed (they hold device memory, on tmpfs)."""
+    for entry in ranks.values():
+        path = Path(entry["stage_path"])
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()  # only when empty
 
 
 def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = None, timeout: float = 30.0,
-                 relay: Relay | None = None) -> None:
+                 relay: Meeting | None = None) -> None:
     """The restored workers' interceptors are QUIESCED (or OFFLOADED: the fast path), holding every NCCL call:
     bring offloaded device memory back, re-create their communicators from fresh unique ids and open the
     gates. Their control blocks came back (the files phase) at the paths they map. ``relay``: the job spans
@@ -334,8 +551,7 @@ def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = N
             if relay is None:
                 driver.resume()
             else:
-                driver.gen = relay.generation() - 1
-                gen = driver.command(Cmd.REBUILD)
+                gen = driver.command_at(Cmd.REBUILD, relay.generation())  # the generation all nodes agreed on
                 uids, need = driver.published(gen, deadline)
                 driver.rebuild_wait(gen, deadline, relay.exchange(gen, uids, need, deadline))
                 driver.run()

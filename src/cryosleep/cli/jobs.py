@@ -14,17 +14,19 @@ from typing import Any
 from cryosleep import paths
 from cryosleep.agent import failures, resume
 from cryosleep.agent.agent import Agent, become_subreaper, take_job_lock
-from cryosleep.agent.coordinated import RestoreRendezvous, problems_of
+from cryosleep.agent.coordinated import RestoreRendezvous
 from cryosleep.capture import outbound
+from cryosleep.capture.restore import Request, RestoreRun
 from cryosleep.cli import launch_args, resuming
 from cryosleep.cli.host_cmd import place_snapshot
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, seconds_arg
 from cryosleep.cli.transfer import (
+    TransferPrinter,
     add_persist_options,
     add_trust_options,
-    fetch_for_restore,
     remote_config,
     retention_of,
+    say_fetched,
     trust_of,
 )
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
@@ -35,6 +37,7 @@ from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, fast
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
 from cryosleep.store.local import LocalStore
+from cryosleep.store.manifest import Manifest
 from cryosleep.triggers.runner import TriggerRunner
 
 
@@ -299,16 +302,21 @@ def _resume(a: argparse.Namespace, spec: JobSpec, snap: resume.Candidate, lock_f
             triggers: Any, claim: resume.Claim | None) -> int:
     """``run`` of a suspended job: its snapshot restored, under the lock the launcher took, then supervised as
     ``run`` supervises (the launch line's triggers and store apply from here on)."""
-    where = None if snap.where == "local" else snap.where
-    store, manifest, _ = fetch_for_restore(snap.id, where, a.key_file, as_json=a.json, quiet=a.detach)
-    job = JobDir(spec.name)
     printer = PhasePrinter(not a.json and not a.detach)
+    run = RestoreRun(Request(ref=snap.id, where=None if snap.where == "local" else snap.where, key_file=a.key_file,
+                             lock_fd=lock_fd, progress=printer))
+    manifest = fetch(run, a)
+    job = JobDir(spec.name)
 
     def start(out: Any) -> Agent:
         agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
         agent.lock_fd, agent.claim = lock_fd, claim
-        agent.triggers = TriggerRunner(agent, triggers)
-        agent.restore(store, manifest.id, progress=printer)
+        try:
+            agent.triggers = TriggerRunner(agent, triggers)
+            agent.restore(run)
+        except BaseException as e:
+            run.abandon(e)
+            raise
         agent.spec.persist = spec.persist  # the launch line's store and retention, as for a fresh start
         agent.job.write(agent.spec, agent.state)
         return agent
@@ -320,6 +328,20 @@ def _resume(a: argparse.Namespace, spec: JobSpec, snap: resume.Candidate, lock_f
         return _detached(job.agent_log, start, describe, a.json)
     agent = start(sys.stderr if a.json else sys.stdout)
     return _finish(agent, agent.serve(), a.json)
+
+
+def fetch(run: RestoreRun, a: argparse.Namespace) -> Manifest:
+    """The restore's first phase, run before the agent starts (a detached one logs under the job's name)."""
+    transfer = TransferPrinter(as_json=a.json, quiet=a.detach)
+    run.req.transfer = transfer
+    try:
+        manifest = run.fetch()
+    finally:
+        transfer.close()
+    if not a.json and not a.detach:
+        assert run.store is not None
+        say_fetched(run.fetched, manifest.id, run.store.root)
+    return manifest
 
 
 def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str, str], int]:
@@ -365,46 +387,37 @@ def cmd_restore(a: argparse.Namespace) -> int:
         raise UsageError(f"bad --gpu-map {a.gpu_map!r}", "expected GPU indexes separated by commas",
                          "e.g. --gpu-map 1,0") from None
     triggers = trigger_config(a)
-    rendezvous = None
+    meeting = None
     underlay = ""
     if coordinator is not None:  # one node of a multi-node restore: it meets the others at the coordinator
         if not a.net_peers:  # and learns there where they are, for the job network's overlay
             underlay = underlay_towards(coordinator[0])
-        rendezvous = RestoreRendezvous(CoordinatorClient(*coordinator), a.snapshot, a.node_rank, nnodes, a.timeout,
-                                       underlay=underlay)
-        rendezvous.announce()
-    try:
-        store, manifest, fetched = fetch_for_restore(ref, where, a.key_file, as_json=a.json, quiet=a.detach,
-                                                    trust=trust_of(a))
-    except BaseException as e:
-        if rendezvous is not None:  # the other nodes must not wait for an image this node could not get
-            rendezvous.failed(problems_of(e))
-        raise
-    job = JobDir(manifest.job_name)
+        meeting = RestoreRendezvous(CoordinatorClient(*coordinator), a.snapshot, a.node_rank, nnodes, a.timeout,
+                                    underlay=underlay)
     printer = PhasePrinter(not a.json and not a.detach)
+    run = RestoreRun(Request(ref=ref, where=where, key_file=a.key_file, trust=trust_of(a), timeout=a.timeout,
+                             gpu_map=gpu_map, net_peers=_peers(a.net_peers), meeting=meeting, progress=printer))
+    manifest = fetch(run, a)
+    fetched = run.fetched
+    job = JobDir(manifest.job_name)
 
     def start(out: Any) -> Agent:
-        try:
-            return restore_here(out)
-        except BaseException as e:
-            if rendezvous is not None:  # the other nodes must not start, or wait, without this one
-                rendezvous.failed(problems_of(e))
-            raise
-
-    def restore_here(out: Any) -> Agent:
         agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
-        agent.net_peers = _peers(a.net_peers)
         if coordinator is None and agent.spec.coordinator:  # a coordinated job restored from a node's own image
             agent.coordinator = coordinator_of(argparse.Namespace(coordinator=agent.spec.coordinator,
                                                                   token_file=a.token_file), agent.spec.nnodes)
         else:
             agent.coordinator = coordinator
+        agent.net_peers = _peers(a.net_peers)
         agent.underlay = underlay
-        agent.triggers = TriggerRunner(agent, triggers)
-        if rendezvous is not None:
-            rendezvous.log = agent.log_line
-        agent.restore(store, manifest.id, progress=printer, timeout=a.timeout, gpu_map=gpu_map,
-                      rendezvous=rendezvous, trust=trust_of(a))
+        if meeting is not None:
+            meeting.log = agent.log_line
+        try:
+            agent.triggers = TriggerRunner(agent, triggers)
+            agent.restore(run)
+        except BaseException as e:
+            run.abandon(e)  # what ran is undone (the other nodes told) when it failed before the sequence did
+            raise
         if fetched is not None:  # the restored job goes on persisting where it came from
             retain = retention_of(a) or (agent.spec.persist or {}).get("retain")  # the job's own, unless given
             agent.spec.persist = remote_config(agent.spec.name, fetched["store"], a.key_file, a.local_keep, retain)
@@ -414,7 +427,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
         return agent
 
     def describe(agent: Agent) -> dict[str, Any]:
-        return {**_describe(agent), "snapshot": manifest.id, "phases": agent.restore_phases, "fetched": fetched}
+        return {**_describe(agent), "snapshot": manifest.id, "phases": agent.restore_phases, "fetched": fetched,
+                "streamed": agent.restore_streamed}
 
     if a.detach:
         return _detached(job.agent_log, start, describe, a.json)

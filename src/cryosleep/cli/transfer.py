@@ -14,16 +14,14 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from cryosleep import paths
 from cryosleep.cli.output import age_arg, human_bytes
-from cryosleep.errors import NotFound, UsageError
+from cryosleep.errors import UsageError
 from cryosleep.store import persist
-from cryosleep.store.auth import Trust, authenticate
+from cryosleep.store.auth import Trust
 from cryosleep.store.local import LocalStore
-from cryosleep.store.manifest import Manifest
 
-__all__ = ["TransferPrinter", "add_persist_options", "add_trust_options", "fetch_for_restore", "remote_config",
-           "retention_of", "summary", "trust_of"]
+__all__ = ["TransferPrinter", "add_persist_options", "add_trust_options", "remote_config", "retention_of",
+           "say_fetched", "summary", "trust_of"]
 
 
 def add_trust_options(p: argparse.ArgumentParser) -> None:
@@ -85,38 +83,12 @@ def remote_config(job: str, url: str | Path | None, key_file: Path | None, local
     return cfg.to_json()
 
 
-def fetch_for_restore(ref: str, store_arg: str | Path | None, key_file: Path | None, *,
-                      as_json: bool, quiet: bool, trust: Trust | None = None) -> tuple[
-                          LocalStore, Manifest, dict[str, Any] | None]:
-    """The local store holding the snapshot, its manifest, and what was fetched from where (None: it was local):
-    {"store", "bytes", "seconds", "rate"}.
-
-    ``store_arg``: s3://... (fetched into $CRYOSLEEP_STORE unless already there), or a directory whose
-    directory store is tried first, then its chunk store (``DIR/cas``), whose snapshot is authenticated (``trust``)
-    before anything is fetched."""
-    remote = persist.is_remote(store_arg)
-    local = LocalStore(paths.default_store() if remote or store_arg is None else Path(store_arg))
-    try:
-        sid = local.resolve(ref)
-        manifest = local.load(sid)
-        # before anything uses what the manifest says (the job's name, its spec); the restore checks again
-        authenticate(manifest, sid, trust or Trust(key_file=key_file))
-        return local, manifest, None
-    except NotFound:
-        url = persist.normalize_url(store_arg) if remote and store_arg is not None else str(local.root)
-        if not remote and not (local.root / "cas" / "snapshots").is_dir():
-            raise
-    printer = TransferPrinter(as_json=as_json, quiet=quiet)
-    try:
-        manifest, rec = persist.fetch(url, ref, local, key_file=key_file, progress=printer,
-                                      trust=trust or Trust(key_file=key_file))
-    finally:
-        printer.close()
-    rate = rec.bytes_total / rec.verify_s if rec.verify_s else 0.0
-    if not as_json and not quiet:
-        sys.stderr.write(f"cryosleep: fetched {manifest.id} from {url} ({human_bytes(rec.bytes_total)}, every chunk "
-                         f"verified, {rec.verify_s:.2f} s, {human_bytes(rate)}/s) into {local.root}\n")
-    return local, manifest, {"store": url, "bytes": rec.bytes_total, "seconds": rec.verify_s, "rate": round(rate, 1)}
+def say_fetched(fetched: dict[str, Any] | None, sid: str, into: Path) -> None:
+    """The line a restore shows once it fetched its snapshot from a remote store (nothing when it was local)."""
+    if fetched:
+        sys.stderr.write(f"cryosleep: fetched {sid} from {fetched['store']} ({human_bytes(int(fetched['bytes']))}, "
+                         f"every chunk verified, {float(fetched['seconds']):.2f} s, "
+                         f"{human_bytes(float(fetched['rate']))}/s) into {into}\n")
 
 
 def summary(rec: dict[str, Any] | None) -> str:

@@ -33,6 +33,10 @@ from cryosleep import paths
 from cryosleep.core import proctree
 from cryosleep.errors import CryosleepError, NotFound, UsageError
 
+# How long a run or restore waits for an agent of the same job that is still ending (after a stop snapshot: its
+# job's processes exit, freeing device and pinned memory, and it removes the staging files; seconds at 24 GiB).
+ENDING_WAIT_S = 120.0
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 # Exit code of `cryosleep run`/`restore` when the job was suspended by a stop snapshot (EX_TEMPFAIL):
@@ -179,6 +183,10 @@ class JobDir:
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"
+
+    def error_file(self, rank: int | str) -> Path:
+        """Rank ``rank``'s error file (``"{rank}"``: the pattern cryosleep-init fills in for each worker)."""
+        return self.logs / f"rank-{rank}.error.json"
 
     @property
     def ctl(self) -> Path:

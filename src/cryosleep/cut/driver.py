@@ -132,6 +132,16 @@ class Driver:
             self.blocks[r].command(cmd, self.gen)
         return self.gen
 
+    def command_at(self, cmd: Cmd, gen: int) -> int:
+        """Writes ``cmd`` as generation ``gen`` on every rank: one the caller agreed on with other nodes (a
+        multi-node restore's REBUILD), above every generation these blocks hold. Returns ``gen``."""
+        if gen <= self.gen:
+            raise InterceptorError(f"generation {gen} of {cmd.name} is not above the blocks' {self.gen}",
+                                   "the nodes agreed on a generation some rank here has already seen",
+                                   "restore the job again (its nodes agree on a fresh generation)")
+        self.gen = gen - 1
+        return self.command(cmd)
+
     def wait(self, state: State, gen: int, deadline: float, ranks: Iterable[int] | None = None) -> None:
         """Waits until every given rank answers ``state`` for ``gen``; InterceptorError names the ranks
         that answered ERROR (with the interceptor's reason) or did not answer in time."""
