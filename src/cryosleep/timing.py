@@ -16,6 +16,7 @@ class Phases:
     def __init__(self, progress: Progress | None = None) -> None:
         self.durations: dict[str, float] = {}
         self._progress = progress
+        self._open: dict[str, float] = {}  # phases begun and not ended: name -> monotonic start
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -31,6 +32,30 @@ class Phases:
             self.durations[name] = self.durations.get(name, 0.0) + elapsed
             if self._progress:
                 self._progress(name, "done" if ok else "failed", elapsed)
+
+    def begin(self, name: str) -> None:
+        """A phase that spans several steps (a drain's rounds, a rebuild's relay), ended by ``end``; a phase
+        already begun goes on."""
+        if name in self._open:
+            return
+        if self._progress:
+            self._progress(name, "start", None)
+        self._open[name] = time.monotonic()
+
+    def end(self, name: str, ok: bool = True) -> None:
+        """The phase ``begin`` started is over (nothing if it was not begun)."""
+        start = self._open.pop(name, None)
+        if start is None:
+            return
+        elapsed = time.monotonic() - start
+        self.durations[name] = self.durations.get(name, 0.0) + elapsed
+        if self._progress:
+            self._progress(name, "done" if ok else "failed", elapsed)
+
+    def end_all(self, ok: bool = False) -> None:
+        """Every phase still begun is over (a failure cut it short)."""
+        for name in list(self._open):
+            self.end(name, ok)
 
     def total(self, names: list[str] | None = None) -> float:
         if names is None:

@@ -30,10 +30,12 @@ from cryosleep.capture import criu_install, netlock
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Token, underlay_towards
+from cryosleep.coordinator.embedded import EmbeddedRun
+from cryosleep.coordinator.protocol import Mode
 from cryosleep.core import oom, privileges, proctree
 from cryosleep.core.interceptor import Cmd, State
 from cryosleep.core.job import ENDING_WAIT_S, EXIT_SUSPENDED, JobDir, JobSpec, JobState
-from cryosleep.errors import Busy, CaptureFailed, CryosleepError, NotFound, UsageError
+from cryosleep.errors import CaptureFailed, CryosleepError, UsageError
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
@@ -662,53 +664,51 @@ class Agent:
         return target
 
     def snapshot(self, req: dict[str, Any], send: Any) -> dict[str, Any]:
-        if self.coordinator is not None and not req.get("rehearse"):
+        """A snapshot (or a rehearsal) of this job. One node: the coordinator's sequence embedded here, run
+        in-process against this node's operations (coordinator/embedded.py); a node of many: the coordinator's."""
+        rehearse = bool(req.get("rehearse", False))
+        privileges.require(privileges.SNAPSHOT, f"a snapshot of job {self.spec.name!r}", whose="its agent")
+        if self.coordinator is not None and not rehearse:
             return self._coordinated_snapshot(req, send)
-        if not self.snap_lock.acquire(blocking=False):
-            raise Busy(
-                f"a snapshot of job {self.spec.name!r} is already in progress",
-                f"started as {self.state.snapshot_in_progress or 'another request'}",
-                "wait for it to finish, then try again",
-            )
+        stop = bool(req.get("stop", False))
+        store = LocalStore(Path(req.get("store") or paths.default_store()))
+
+        def progress(phase: str, status: str, seconds: float | None) -> None:
+            send({"event": "phase", "phase": phase, "status": status, "seconds": seconds})
+
+        node = coordinated.CoordinatedNode(self, store, self.log_line, progress=progress, send=send,
+                                           fault=req.get("fault") or os.environ.get("CRYOSLEEP_FAULT") or None)
+        run = EmbeddedRun(node, job=self.spec.name, mode=Mode.STOP if stop else Mode.KEEP_RUNNING,
+                          timeout_s=float(req.get("timeout") or 600.0), rehearsal=rehearse,
+                          log=self.log_line if self.out is None else None)
         try:
-            if self._stopping or not proctree.alive(self.state.init_pid):
-                raise NotFound(f"job {self.spec.name!r} has already exited", "there is nothing to capture",
-                               "restore one of its snapshots to run it again")
-            privileges.require(privileges.SNAPSHOT, f"a snapshot of job {self.spec.name!r}", whose="its agent")
-            stop = bool(req.get("stop", False))
-            rehearse = bool(req.get("rehearse", False))
-            store = LocalStore(Path(req.get("store") or paths.default_store()))
-            self.state.snapshot_in_progress = "rehearsal" if rehearse else "stop" if stop else "keep-running"
-            self.save_state()
-
-            def progress(phase: str, status: str, seconds: float | None) -> None:
-                send({"event": "phase", "phase": phase, "status": status, "seconds": seconds})
-
-            target = self.capture_target(stop, send, persist=not rehearse, store=store)
-            if rehearse:
-                return capture_snapshot.rehearse(target, timeout=float(req.get("timeout") or 600.0),
-                                                 progress=progress)
-            manifest = capture_snapshot.take(
-                target, store, stop=stop, timeout=float(req.get("timeout") or 600.0), progress=progress,
-                fault=req.get("fault") or os.environ.get("CRYOSLEEP_FAULT") or None,
-            )
-            self.state.last_snapshot = manifest.id
-            persisted = store_persist.after_snapshot(self.persister, store, manifest)
-            return {
-                "snapshot": manifest.id,
-                "job": self.spec.name,
-                "mode": manifest.mode,
-                "pause_s": manifest.pause_s,
-                "bytes": manifest.bytes,
-                "rss_bytes": sum(n.rss_bytes for n in manifest.nodes),
-                "phases": manifest.phases,
-                "store": str(store.root),
-                "persist": persisted,
-            }
-        finally:
-            self.state.snapshot_in_progress = None
-            self.save_state()
-            self.snap_lock.release()
+            row = run.take()
+        except CryosleepError as e:
+            if node.last is not None:
+                e.details.setdefault("phases", node.last.phases.rounded())
+            raise
+        cap = node.last
+        if cap is None or (cap.manifest is None and not rehearse):  # past the point of no return: the end failed
+            raise CaptureFailed(f"the stop snapshot of job {self.spec.name!r} did not end the job",
+                                str(row.get("reason") or "its workers could not be ended"),
+                                "see the agent's log; the snapshot was verified before the job was told to end")
+        if rehearse:
+            return {"job": self.spec.name, "mode": "rehearsal", "cut": run.cut.reason if run.cut else "",
+                    "rounds": run.rounds, "nccl": cap.nccl_info, "phases": cap.phases.rounded(),
+                    "pause_s": cap.pause_s()}
+        manifest = cap.manifest
+        assert manifest is not None
+        return {
+            "snapshot": manifest.id,
+            "job": self.spec.name,
+            "mode": manifest.mode,
+            "pause_s": manifest.pause_s,
+            "bytes": manifest.bytes,
+            "rss_bytes": sum(n.rss_bytes for n in manifest.nodes),
+            "phases": manifest.phases,
+            "store": str(store.root),
+            "persist": node.upload,
+        }
 
     def _coordinator_link(self) -> tuple[str, Token]:
         """The coordinator's URL and this node's credential (its agent credential once registered)."""

@@ -1,10 +1,11 @@
-"""The node agent's part in a snapshot the coordinator runs across a job's nodes (``coordinator.client.NodeBackend``).
+"""The node agent's part in a snapshot (``coordinator.client.NodeBackend``): the operations the snapshot sequence
+(``coordinator/machine.py``) calls on this node, for a job of many nodes through the coordinator, and for a
+one-node job in-process (``coordinator/embedded.py``, the agent's embedded coordinator).
 
 A job started with ``cryosleep run --nnodes N --node-rank I --coordinator URL`` registers its agent with the
 coordinator, which then runs every snapshot of the job on all its nodes at once (docs/coordinator.md). Each
-operation is one step of ``capture.snapshot.NodeCapture`` -- the same code a one-node snapshot runs -- except
-the drain's decisions, which the coordinator takes over every rank of every node, and the rebuild's id relay,
-which crosses nodes through it::
+operation is one step of ``capture.snapshot.NodeCapture``, except the drain's decisions, which the sequence
+takes over every rank of every node, and the rebuild's id relay, which crosses nodes through it::
 
     prepare      preflight (refuse with reasons, nothing touched), outbound drain, fast-path staging
     hold         HOLD(gen) on the local ranks                             -> their counters
@@ -14,13 +15,14 @@ which crosses nodes through it::
     net_hold     (keep-running) the sandbox's port on the job network disabled
     capture      CUDA checkpoint + CRIU dump (keep-running: CUDA and device memory back at once)
     net_release  (keep-running) the port enabled again
-    resume       REBUILD(gen); the ids published here by rank-0 members -> the coordinator
+    resume       (ranks rebuilt by a failed REBUILD quiesced again) REBUILD(gen); the ids published here by
+                 rank-0 members -> the coordinator
     relay        the ids from other nodes written; every local rank RUNNING(gen)
     run          RUN: the gates open
     persist      the image committed to the local store and verified (stop: and to the remote store)
     stop         the held workers ended: the job lives on in the snapshot
-    abort        whatever the snapshot did here undone; NCCL ranks running again (or, past the cut, every
-                 local rank quiesced at the cut, for the coordinator's resume)
+    abort        the node's one undo (NodeCapture.undo_capture, then capture.snapshot.undo_nccl): NCCL ranks
+                 running again (or, past the cut, every local rank quiesced at the cut, for the sequence's resume)
     end          (a rollback that could not bring every node back) the workers ended, none left half-dead
 
 One operation runs at a time. ``abort`` may arrive while an earlier command still runs (the coordinator gave
@@ -56,6 +58,7 @@ from cryosleep.errors import Busy, CaptureFailed, CryosleepError, InterceptorErr
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import persist as store_persist
 from cryosleep.store.local import LocalStore
+from cryosleep.timing import Progress
 
 STALL_FILE = "fault-stall"
 TARGETS_WAIT_S = 1.0  # how long a targets round waits for the ranks to answer before reporting what it sees
@@ -81,10 +84,16 @@ class CoordinatedNode:
     """One node agent's backend: the coordinator's operations on this node's part of the job."""
 
     def __init__(self, agent: NodeAgent, store: LocalStore | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, *, progress: Progress | None = None,
+                 send: Callable[[dict[str, Any]], None] | None = None, fault: str | None = None) -> None:
         self.agent = agent
         self.store = store or LocalStore(paths.default_store())
         self.log = log or (lambda _m: None)
+        self.progress = progress  # the node's phases as they go (a one-node snapshot's CLI shows them)
+        self.send = send or (lambda _m: None)  # the requester's events (a stop snapshot's upload progress)
+        self.fault = fault  # fault injection in CRIU's dump hook (tests)
+        self.last: capture_snapshot.NodeCapture | None = None  # the snapshot that ended here last
+        self.upload: dict[str, Any] | None = None  # its upload's record (store.persist.after_snapshot)
         self.op_lock = threading.Lock()
         self.sid: str | None = None  # the snapshot this node is in
         self.cap: capture_snapshot.NodeCapture | None = None
@@ -114,6 +123,12 @@ class CoordinatedNode:
             self.last_command = time.monotonic()
             self._stall(cmd)
             return fn(cmd)
+        except Exception as e:
+            cap = self.cap
+            err = cap.explain(e) if cap is not None else e
+            if err is e:
+                raise
+            raise err from e
         finally:
             self.last_command = time.monotonic()
             lock.release()
@@ -197,7 +212,9 @@ class CoordinatedNode:
             while len(self.done) > 64:
                 del self.done[next(iter(self.done))]
         if self.cap is not None:
+            self.cap.phases.end_all()
             self.cap.close()
+            self.last = self.cap
         elif self.nccl is not None:
             self.nccl.close()
         self.cap = None
@@ -224,7 +241,8 @@ class CoordinatedNode:
                        "end the job and restore its last verified snapshot")
         self.log(f"snapshot {self.sid} was abandoned by its coordinator: rolled back here")
         self._release_net()
-        cap.rollback(CaptureFailed(f"snapshot {self.sid} was abandoned", "", ""))
+        cap.undo_capture()
+        capture_snapshot.undo_nccl(cap.nccl, False, time.monotonic() + HOLD_GRACE_S)
         self._end("abandoned")
 
     # ---- the operations ----------------------------------------------------------------------------------
@@ -244,20 +262,26 @@ class CoordinatedNode:
                        "wait for it to finish, then try again")
         self.holds_lock = True
         stop = cmd.args.get("mode") == "stop"
+        rehearsal = bool(cmd.args.get("rehearsal"))
         self.sid = cmd.snapshot
         try:
             if agent.stopping or not agent.job_alive():
                 raise NotFound(f"job {agent.spec.name!r} has already exited on node {agent.spec.node_rank}",
                                "there is nothing to capture", "restore one of its snapshots to run it again")
-            agent.state.snapshot_in_progress = f"{cmd.args.get('mode')} ({cmd.snapshot})"
+            agent.state.snapshot_in_progress = f"{'rehearsal' if rehearsal else cmd.args.get('mode')} ({cmd.snapshot})"
             agent.save_state()
-            target = agent.capture_target(stop, lambda _m: None, store=self.store)
-            self.cap = capture_snapshot.NodeCapture(target, self.store, stop=stop, deadline=local_deadline(cmd))
+            target = agent.capture_target(stop, self.send, persist=not rehearsal, store=self.store)
+            self.cap = capture_snapshot.NodeCapture(target, self.store, stop=stop, deadline=local_deadline(cmd),
+                                                    progress=self.progress, fault=self.fault, rehearsal=rehearsal)
             self.cap.preflight()
             self.nccl = self.cap.nccl
             self.cap.before_pause()
         except BaseException as e:
-            err = self.cap.rollback(e) if self.cap is not None else e
+            cap = self.cap
+            err = cap.explain(e) if cap is not None else e
+            if cap is not None:  # refused: nothing of it stays (the node's one undo, as abort runs it)
+                cap.undo_capture()
+                capture_snapshot.undo_nccl(cap.nccl, False, local_deadline(cmd))
             self._end("refused")
             if err is e:
                 raise
@@ -273,8 +297,8 @@ class CoordinatedNode:
         cap = self._current(cmd)
         if self.nccl is not None:
             self._gen(self.nccl, cmd)
-            with cap.phases.phase("drain"):
-                self.nccl.hold(cap.deadline)
+            cap.phases.begin("drain")  # until the quiesce: the rounds, and the coordinator's time between them
+            self.nccl.hold(cap.deadline)
         return self._views(self.nccl)
 
     def report(self, cmd: Command) -> dict[str, Any]:
@@ -283,9 +307,9 @@ class CoordinatedNode:
     def _report(self, cmd: Command) -> dict[str, Any]:
         cap = self._current(cmd)
         if self.nccl is not None:
-            with cap.phases.phase("drain"):
-                time.sleep(min(float(cmd.args.get("wait_s", 0.0)), max(0.0, cap.deadline - time.monotonic())))
-                self.nccl.join_late_ranks(cap.deadline)
+            time.sleep(min(float(cmd.args.get("wait_s", 0.0)), max(0.0, cap.deadline - time.monotonic())))
+            self.nccl.join_late_ranks(cap.deadline)
+            self.nccl.check_alive("a consistent cut")
         return self._views(self.nccl)
 
     def targets(self, cmd: Command) -> dict[str, Any]:
@@ -295,10 +319,10 @@ class CoordinatedNode:
         cap = self._current(cmd)
         if self.nccl is None:
             return self._views(None)
-        with cap.phases.phase("drain"):
-            self.nccl.join_late_ranks(cap.deadline)
-            views = self.nccl.apply_targets(targets_from_json(cmd.args.get("targets") or {}),
-                                            min(cap.deadline, time.monotonic() + TARGETS_WAIT_S))
+        self.nccl.join_late_ranks(cap.deadline)
+        self.nccl.check_alive("a consistent cut")
+        views = self.nccl.apply_targets(targets_from_json(cmd.args.get("targets") or {}),
+                                        min(cap.deadline, time.monotonic() + TARGETS_WAIT_S))
         return {"views": [view_to_json(v) for v in views]}
 
     def quiesce(self, cmd: Command) -> dict[str, Any]:
@@ -306,6 +330,7 @@ class CoordinatedNode:
 
     def _quiesce(self, cmd: Command) -> dict[str, Any]:
         cap = self._current(cmd)
+        cap.phases.end("drain")
         if self.nccl is not None:
             self._gen(self.nccl, cmd)
         self.at_cut = True
@@ -350,6 +375,12 @@ class CoordinatedNode:
         nccl = self._driver(cmd)
         if nccl is None:
             return {"uids": {}, "need": []}
+        if self.cap is not None:
+            self.cap.phases.begin("rebuild")  # until the gates open (run): the ids' relay across nodes included
+        nccl.settle(local_deadline(cmd))  # a retry: every rank has answered its last REBUILD, either way
+        live = [r for r, b in nccl.blocks.items() if b.comms_live]
+        if live:  # ranks that rebuilt while another failed: quiesced again, so that every member re-creates
+            nccl.requiesce(live, local_deadline(cmd))  # (below the generation: REBUILD is exactly gen)
         self._gen(nccl, cmd)
         gen = nccl.command(Cmd.REBUILD)
         uids, need = nccl.published(gen, local_deadline(cmd))
@@ -374,11 +405,16 @@ class CoordinatedNode:
         if nccl is not None:
             self._gen(nccl, cmd)
             nccl.run()
-        if self.cap is not None and cmd.snapshot == self.sid and not self.cap.stop:
+        cap = self.cap
+        if cap is not None:
+            cap.phases.end("rebuild")
+        if cap is not None and cmd.snapshot == self.sid and not cap.stop:
             self.agent.arm(None)  # the job runs again: it survives its agent
             self.at_cut = False
         if self.after_abort_at_cut:  # the rollback's rebuild: the snapshot is over here
             self._end("aborted")
+        elif cap is not None and cap.rehearsal:  # nothing captured: the rehearsal is over here
+            self._end("rehearsed")
         return {}
 
     def persist(self, cmd: Command) -> dict[str, Any]:
@@ -388,7 +424,8 @@ class CoordinatedNode:
         cap = self._current(cmd)
         manifest = cap.commit()
         self.images[cmd.snapshot] = manifest.id
-        cap.verify(cmd.budget_s)
+        if cmd.args.get("verify", True):
+            cap.verify(float(cmd.args.get("timeout_s") or cmd.budget_s))
         cap.persist()
         remote = (self.agent.spec.persist or {}).get("url")
         data = (self.store.path_of(manifest.id) / "manifest.json").read_bytes()
@@ -399,7 +436,7 @@ class CoordinatedNode:
         if not cap.stop:  # the job runs already: this node's part is done
             cap.finish()
             self.agent.state.last_snapshot = manifest.id
-            store_persist.after_snapshot(self.agent.persister, self.store, manifest)
+            self.upload = store_persist.after_snapshot(self.agent.persister, self.store, manifest)
             self._end("verified")
         return {"image": image, "phases": cap.phases.rounded()}
 
@@ -413,7 +450,7 @@ class CoordinatedNode:
         cap.end()
         manifest = cap.finish()
         self.agent.state.last_snapshot = manifest.id
-        store_persist.after_snapshot(self.agent.persister, self.store, manifest)
+        self.upload = store_persist.after_snapshot(self.agent.persister, self.store, manifest)
         self._end("stopped")
         return {"image": manifest.id}
 
@@ -439,25 +476,24 @@ class CoordinatedNode:
         except CryosleepError as e:
             problems.append(f"{e.what}: {e.why}")
         if self.cap is not None:
+            self.cap.phases.end_all()
             problems += self.cap.undo_capture()
         self.images.pop(cmd.snapshot, None)
         if not self.agent.job_alive():  # its workers are gone: the job cannot go on as a whole (the coordinator
             self._end("aborted")  # ends the other nodes rather than leave them waiting on these ranks)
             return {"state": "exited"}
-        nccl = self.nccl
-        if nccl is not None and at_cut:
-            live = [r for r, b in nccl.blocks.items() if b.comms_live]
-            if live:
-                self._gen(nccl, cmd)
-                nccl.requiesce(live, local_deadline(cmd))
+        if self.nccl is not None:
+            self._gen(self.nccl, cmd)
+        try:
+            capture_snapshot.undo_nccl(self.nccl, at_cut, local_deadline(cmd))
+        except CryosleepError as e:
+            problems.append(f"{e.what}: {e.why}")
+        if self.nccl is not None and at_cut:
             self.after_abort_at_cut = True
             if problems:
                 raise CaptureFailed(f"node {self.agent.spec.node_rank} could not undo snapshot {cmd.snapshot}",
                                     "; ".join(problems), "end the job and restore its last verified snapshot")
             return {"state": "quiesced"}
-        if nccl is not None and nccl.touched:
-            self._gen(nccl, cmd)
-            nccl.run()
         self._end("aborted")
         if problems:
             raise CaptureFailed(f"node {self.agent.spec.node_rank} could not undo snapshot {cmd.snapshot}",

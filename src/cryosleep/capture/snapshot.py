@@ -1,12 +1,14 @@
-"""Taking a snapshot of a job on this node: one linear list of phases, one rollback.
+"""A node's capture steps: the operations the snapshot sequence (``coordinator/machine.py``) calls on each node,
+in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as for a node of many
+(``agent/coordinated.py`` is the node's side of both). Phases, as each node times them::
 
     preflight  what the processes hold that cannot be captured, and what their NCCL interceptors refuse
                -> refuse with reasons (nothing touched)
     outbound   (job running, when it has connections to peers outside the job) a bounded wait for their send
                queues to drain; recorded, for a restore to reset them (capture/outbound.py)
-    drain      (ranks that called NCCL) HOLD, then targets until every rank is settled at one consistent
-               cut: every member of every communicator has issued exactly the same calls
     prepare    (fast path, job still running) each rank's pinned staging file grown to its device memory
+    drain      (ranks that called NCCL) from HOLD to the consistent cut, the sequence's rounds included: every
+               member of every communicator has issued exactly the same calls
     quiesce    every rank flushes and destroys its real NCCL communicators (no NCCL socket, IPC or
                InfiniBand state left for the CUDA checkpoint and CRIU)
     offload    (fast path) each rank copies its device memory into its staging file at DMA speed and
@@ -19,24 +21,28 @@
     cuda-restore, cuda-unlock
                (GPU jobs, keep-running) device memory back, CUDA calls released
     reload     (fast path, keep-running) the offloaded device memory back at its addresses
-    rebuild    (NCCL, keep-running) every communicator re-created from fresh ids, then the gates open:
-               the pause ends here
+    rebuild    (NCCL, keep-running) from REBUILD to RUN, the ids' relay included: every communicator
+               re-created from fresh ids, then the gates open: the pause ends here
     devmem     (fast path) the staging files copied into the image (keep-running: after the job resumed)
     checksum   size and SHA-256 of every image file, and of the files the job only reads (libraries,
                datasets: checked at restore) unless cached (the job is already running again)
     commit     manifest written, snapshot published atomically in the store
     verify     (stop) every file re-read and checked against the manifest
     persist    (stop, when the job has a remote store) every chunk stored and re-read from it, inside the
-               deadline (keep-running snapshots persist in the background, after take() returns)
+               deadline (keep-running snapshots persist in the background, after the snapshot)
     end        (stop) the held job is killed; it lives on only in the snapshot
 
-Rollback, whatever failed: a held job is released (network lock removed, tasks continued), CUDA processes
-are restored and unlocked, NCCL ranks are brought back to running (quiesced ones rebuilt first, held ones
-released), a committed but unverified snapshot is removed, the staging directory is deleted. The job is
-never killed unless its snapshot is complete and verified.
+The pause (``pause_s``) is the sum of the phases in ``PAUSE`` (a stop snapshot adds those after the dump):
+counted in one place, ``NodeCapture.pause_s``.
 
-``rehearse`` runs preflight, drain, quiesce and rebuild only, capturing nothing: it shows that a job
-reaches a consistent cut, and what that costs, without writing an image.
+The node's undo, whatever failed, is ``NodeCapture.undo_capture`` then ``undo_nccl``, called by the
+sequence's one rollback (its ``abort``): a held job is released (network lock removed, tasks continued), CUDA
+processes are restored and unlocked, a committed but unverified snapshot is removed, the staging directory is
+deleted; NCCL ranks that were only held run again, and past the cut every rank is quiesced at the cut for the
+sequence's rebuild. The job is never killed unless its snapshot is complete and verified.
+
+A rehearsal (``rehearsal=True``) runs preflight, drain, quiesce and rebuild only, capturing nothing: it shows
+that a job reaches a consistent cut, and what that costs, without writing an image.
 """
 
 from __future__ import annotations
@@ -142,17 +148,18 @@ def nccl_facts(nccl: Driver) -> dict[str, Any]:
 
 
 class NodeCapture:
-    """One node's snapshot in progress: what a rollback must undo, and one method per step.
+    """One node's snapshot in progress: what its undo must undo, and one method per step.
 
-    ``take`` runs the steps in order for a one-node job; a coordinated snapshot
-    (``agent/coordinated.py``) runs the same steps one coordinator command at a time. ``rollback`` is the one
-    way back from wherever a failure left the node."""
+    The snapshot sequence (``coordinator/machine.py``) runs the steps one operation at a time
+    (``agent/coordinated.py``), and its rollback calls ``undo_capture`` and ``undo_nccl``: the one way back from
+    wherever a failure left the node."""
 
     def __init__(self, target: Target, store: LocalStore, *, stop: bool, deadline: float,
-                 progress: Progress | None = None, fault: str | None = None) -> None:
+                 progress: Progress | None = None, fault: str | None = None, rehearsal: bool = False) -> None:
         self.target = target
         self.store = store
         self.stop = stop
+        self.rehearsal = rehearsal  # drain, quiesce and rebuild only: nothing captured
         self.deadline = deadline
         self.fault = fault
         self.phases = Phases(progress)
@@ -185,6 +192,17 @@ class NodeCapture:
         """What cannot be captured is refused with reasons, before anything is touched; the staging begins."""
         target = self.target
         with self.phases.phase("preflight"):
+            if self.rehearsal:
+                self.nccl = nccl_driver(target)
+                if self.nccl is None:
+                    raise NotEligible(f"job {target.spec.name!r} has no NCCL communicators to drain",
+                                      "none of its workers has called NCCL through the interceptor yet",
+                                      "rehearse once the job has started training (or it runs with "
+                                      "--no-interceptor)")
+                refused = [c for c in eligibility.interceptor_checks(self.nccl.blocks) if not c.ok and c.fatal]
+                if refused:
+                    raise _refuse(target, refused)
+                return
             problems = [c for c in eligibility.process_checks(target.init_pid) if not c.ok and c.fatal]
             self.nccl = nccl_driver(target)
             if self.nccl is not None:
@@ -205,6 +223,8 @@ class NodeCapture:
 
     def before_pause(self) -> None:
         """Job still running: outside peers' send queues drained (bounded); the fast path's staging grown."""
+        if self.rehearsal:
+            return
         self.outbound_facts = outbound.before_dump(self.target.spec, self.target.init_pid, self.phases, self.deadline)
         nccl = self.nccl
         if nccl is not None and nccl.fast_ranks():
@@ -216,7 +236,8 @@ class NodeCapture:
         """(at the cut) every rank destroys its real communicators; the fast path moves device memory out.
         From here until the job runs again, only this agent can bring it back: its watchdog is armed."""
         if self.target.arm is not None:
-            self.target.arm(f"a {'stop' if self.stop else 'keep-running'} snapshot")
+            mode = "rehearsal" if self.rehearsal else "stop snapshot" if self.stop else "keep-running snapshot"
+            self.target.arm(f"a {mode}")
         nccl = self.nccl
         if nccl is None:
             return
@@ -279,12 +300,6 @@ class NodeCapture:
         if self.target.on_dump is not None:
             self.target.on_dump(rec)
 
-    def rebuild(self) -> None:
-        """(keep-running, one node) every communicator re-created, the gates open: the pause ends."""
-        if self.nccl is not None:
-            with self.phases.phase("rebuild"):
-                self.nccl.resume()
-
     def commit(self) -> Manifest:
         """The fast path's device memory copied into the image, every file hashed, the snapshot published."""
         staging, target = self.staging, self.target
@@ -310,7 +325,7 @@ class NodeCapture:
             phases={}, pause_s=0.0, restored_from=target.restored_from,
         )
         manifest.phases = self.phases.rounded()
-        manifest.pause_s = round(self.phases.total(PAUSE), 4)
+        manifest.pause_s = self.pause_s()
         with self.phases.phase("commit"):
             self.store.commit(staging, manifest)
             self.committed = True
@@ -349,14 +364,19 @@ class NodeCapture:
             criu_calls.unlock_network(self.criu, self.dump_rid)
             self.record(None)
 
+    def pause_s(self) -> float:
+        """How long the job did not run: the one place the pause is counted. A stop snapshot holds the job
+        until it is safe: the device memory's copy into the image, the checksum, commit, verify, persist and
+        end count too."""
+        keep = PAUSE if not self.stop else [*PAUSE, "devmem", "checksum", "commit", "verify", "persist", "end"]
+        return round(self.phases.total(keep), 4)
+
     def finish(self) -> Manifest:
         """The final phase times (and pause) written into the published manifest."""
         manifest = self.manifest
         assert manifest is not None
         manifest.phases = self.phases.rounded()
-        # a stop snapshot holds the job until it is safe: the device memory's copy into the image counts too
-        keep = PAUSE if not self.stop else [*PAUSE, "devmem", "checksum", "commit", "verify", "persist", "end"]
-        manifest.pause_s = round(self.phases.total(keep), 4)
+        manifest.pause_s = self.pause_s()
         _rewrite_manifest(self.store, manifest)
         return manifest
 
@@ -381,9 +401,8 @@ class NodeCapture:
             self.staging = None
         return problems
 
-    def rollback(self, e: BaseException) -> CryosleepError:
-        """The one rollback path, whatever failed; returns the error to report. Order matters: the tasks must
-        run (CRIU released) and their CUDA work be back before the interceptors can rebuild communicators."""
+    def explain(self, e: BaseException) -> CryosleepError:
+        """The error to report for a step that failed (the sequence's rollback then resumes the job)."""
         err = _as_failure(e, "the snapshot failed")
         ended = [p for p in self.tree if proctree.state(p) in ("Z", "X", "gone")]
         if ended:  # the job was ending: what failed is a symptom of that, not the thing to report
@@ -392,11 +411,6 @@ class NodeCapture:
                 f"its process(es) {', '.join(map(str, ended))} exited during the snapshot, which then failed "
                 f"({err.what}: {err.why})",
                 "an ending job cannot be captured; its last snapshot is still valid", **err.details)
-        undone = self.undo_capture()
-        if undone:
-            err.details["cuda_rollback_problems"] = undone
-        _undo_nccl(self.nccl, err)
-        err.details.setdefault("phases", self.phases.rounded())
         return err
 
     def close(self) -> None:
@@ -405,35 +419,6 @@ class NodeCapture:
             self.target.arm(None)
         if self.nccl is not None:
             self.nccl.close()
-
-
-def take(target: Target, store: LocalStore, *, stop: bool, timeout: float = 600.0,
-         progress: Progress | None = None, fault: str | None = None) -> Manifest:
-    cap = NodeCapture(target, store, stop=stop, deadline=time.monotonic() + timeout, progress=progress, fault=fault)
-    try:
-        cap.preflight()
-        cap.before_pause()
-        if cap.nccl is not None:
-            with cap.phases.phase("drain"):
-                cap.nccl.hold(cap.deadline)
-                cap.nccl.drain(cap.deadline)
-        cap.quiesce()
-        cap.dump()
-        if not stop:
-            cap.rebuild()
-        cap.commit()
-        if stop:
-            cap.verify(timeout)
-            cap.persist()
-            cap.end()
-        return cap.finish()
-    except BaseException as e:
-        err = cap.rollback(e)
-        if err is e:
-            raise
-        raise err from e
-    finally:
-        cap.close()
 
 
 DEVMEM_DIR = "devmem"
@@ -482,6 +467,21 @@ def save_devmem(nccl: Driver, fast: list[int], skipped: dict[int, str], node_dir
     return {"ranks": ranks, "plain": {str(r): why for r, why in skipped.items()}}
 
 
+def undo_nccl(nccl: Driver | None, at_cut: bool, deadline: float) -> None:
+    """A node's NCCL ranks back to where the sequence's rollback goes on from (after ``NodeCapture.undo_capture``:
+    the tasks must run and their CUDA work be back before the interceptors can rebuild communicators). Before
+    the cut, held ranks run again; at it, every rank still live is quiesced at the cut, so that the rollback's
+    rebuild re-creates every communicator with all its members."""
+    if nccl is None:
+        return
+    if at_cut:
+        live = [r for r, b in nccl.blocks.items() if b.comms_live]
+        if live:
+            nccl.requiesce(live, deadline)
+    elif nccl.touched:
+        nccl.run()
+
+
 def _as_failure(e: BaseException, what: str) -> CryosleepError:
     """The error to report once the rollback has run (it resumes the job)."""
     if isinstance(e, InterceptorError):
@@ -490,55 +490,6 @@ def _as_failure(e: BaseException, what: str) -> CryosleepError:
         return e
     return CaptureFailed(f"{what}: {type(e).__name__}: {e}", "the job was resumed and goes on running",
                          "see the agent's log")
-
-
-def _undo_nccl(nccl: Driver | None, e: CryosleepError) -> None:
-    """Back to running: held ranks released, quiesced ones rebuilt first. What could not be undone is told."""
-    if nccl is None:
-        return
-    undone = nccl.rollback()
-    if undone:
-        e.details["nccl_rollback_problems"] = undone
-        e.why = (e.why + "; " if e.why else "") + "AND the job's NCCL state could not be restored: " + "; ".join(
-            undone)
-        e.hint = "the job may be stuck at its next NCCL call: end it and restore its last snapshot"
-
-
-def rehearse(target: Target, *, timeout: float = 600.0, progress: Progress | None = None) -> dict[str, Any]:
-    """Drain, quiesce, rebuild and resume the job's NCCL ranks without capturing anything."""
-    phases = Phases(progress)
-    deadline = time.monotonic() + timeout
-    nccl: Driver | None = None
-    try:
-        with phases.phase("preflight"):
-            nccl = nccl_driver(target)
-            if nccl is None:
-                raise NotEligible(f"job {target.spec.name!r} has no NCCL communicators to drain",
-                                  "none of its workers has called NCCL through the interceptor yet",
-                                  "rehearse once the job has started training (or it runs with --no-interceptor)")
-            problems = [c for c in eligibility.interceptor_checks(nccl.blocks) if not c.ok and c.fatal]
-            if problems:
-                raise _refuse(target, problems)
-        with phases.phase("drain"):
-            nccl.hold(deadline)
-            cut = nccl.drain(deadline)
-        with phases.phase("quiesce"):
-            nccl.quiesce(deadline)
-            facts = nccl_facts(nccl)
-        with phases.phase("rebuild"):
-            nccl.resume()
-        return {"job": target.spec.name, "mode": "rehearsal", "cut": cut.reason, "rounds": nccl.rounds,
-                "nccl": facts, "phases": phases.rounded(), "pause_s": round(phases.total(PAUSE), 4)}
-    except BaseException as e:
-        err = _as_failure(e, "the rehearsal failed")
-        _undo_nccl(nccl, err)
-        err.details.setdefault("phases", phases.rounded())
-        if err is e:
-            raise
-        raise err from e
-    finally:
-        if nccl is not None:
-            nccl.close()
 
 
 def _rewrite_manifest(store: LocalStore, manifest: Manifest) -> None:

@@ -3,6 +3,7 @@
     protocol   the JSON messages between the coordinator and the node agents (commands, results, counters)
     hub        the agents' connections in memory: command queues (long poll), results, liveness
     machine    the snapshot state machine across nodes: one phase list, one deadline, one rollback
+    embedded   the same state machine in a one-node job's agent, in-process against its own node
     catalog    SQLite: jobs, agents, snapshots, per-node images and phase times, events
     core       the service's logic without HTTP: registration, polls, triggers, one run per job, recovery
     service    the HTTP API (bearer token) around ``core``; `cryosleep coordinator serve`

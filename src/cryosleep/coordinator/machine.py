@@ -1,4 +1,9 @@
-"""The snapshot state machine across every node agent of a job: one list of phases, one deadline, one rollback.
+"""The snapshot state machine of a job: one list of phases, one deadline, one rollback, for one node and many.
+
+``SnapshotSequence`` is the sequence; how its commands reach the nodes is its subclass's: ``SnapshotRun`` (the
+coordinator's, through the hub to node agents polling over HTTP) or ``embedded.EmbeddedRun`` (a one-node job's
+agent, calling its node's operations in-process). Each node's side is ``agent/coordinated.py``, whose
+operations are the capture steps of ``capture/snapshot.py``.
 
 ::
 
@@ -12,7 +17,9 @@
                stopped)
     keep-running:
       resume   REBUILD(g) on every node -> ids published by each communicator's rank-0 member relayed to the
-               other members wherever they run -> every rank RUNNING(g) -> RUN: the pause ends
+               other members wherever they run -> every rank RUNNING(g) -> RUN: the pause ends (a failed
+               rebuild is retried ``rebuild_retries`` times: every node quiesces its rebuilt ranks again,
+               then all rebuild; 0 for the coordinator, 1 for the embedded run)
       persist  every node commits and verifies its image -> the snapshot is verified (valid)
     stop:
       persist  every node commits and verifies its image
@@ -25,6 +32,8 @@ ranks RUN if the cut was not reached, otherwise every local rank quiesced), then
 the resume sequence on every node. It has its own time (``rollback_s``), since the snapshot's may be spent.
 After the point of no return nothing is rolled back: a node that fails to stop is recorded, and the snapshot
 stays valid.
+
+A rehearsal (``rehearsal``, one node only) is the sequence without capture and persist: drain, quiesce, resume.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.hub import Hub
@@ -68,6 +77,10 @@ class MachineConfig:
     """The rollback's own bound (and the stop phase's), counted from when it starts."""
     report_wait_s: float = 0.02
     """How long an agent waits for its ranks to move before reporting counters in a round with no new targets."""
+    rebuild_retries: int = 0
+    """How often a failed rebuild is retried (every node quiesces its rebuilt ranks again, then all rebuild)
+    before the snapshot fails and is rolled back. The coordinator's 0: its rollback rebuilds at once, and the
+    snapshot is reported failed; the embedded run's 1: a one-node snapshot goes through a transient failure."""
 
 
 def new_snapshot_id(job: str) -> str:
@@ -78,6 +91,7 @@ def new_snapshot_id(job: str) -> str:
 class NodeFailure:
     node: int
     why: str
+    error: CryosleepError | None = None  # the node's own error, where it ran in this process (embedded.py)
 
 
 @dataclass
@@ -94,21 +108,42 @@ def _error_text(err: Mapping[str, Any] | None) -> str:
     return f"{what}: {why}" if why else what
 
 
-class SnapshotRun:
-    """One snapshot of one job across its nodes (node rank -> agent id). ``run()`` executes it to the end."""
+class Journal(Protocol):
+    """Where a run records its progress: the catalog (``catalog.Catalog``) for a coordinator's runs, a memory
+    for the embedded one (``embedded.py``)."""
 
-    def __init__(self, catalog: Catalog, hub: Hub, *, sid: str, job: str, mode: Mode, timeout_s: float,
-                 nodes: Mapping[int, str], incarnations: Mapping[str, str], cfg: MachineConfig | None = None,
+    def update_snapshot(self, sid: str, *, state: str | None = None, reason: str | None = None,
+                        phases: dict[str, float] | None = None, error: dict[str, Any] | None = None,
+                        at_cut: bool | None = None, finished: bool = False) -> None: ...
+    def update_node(self, sid: str, node_rank: int, *, state: str | None = None,
+                    phases: dict[str, float] | None = None, image: dict[str, Any] | None = None) -> None: ...
+    def mark_verified(self, sid: str, job: str, *, ponr: bool, phases: dict[str, float]) -> None: ...
+    def set_job_state(self, name: str, state: str, last_snapshot: str | None = None) -> None: ...
+    def event(self, kind: str, message: str, *, job: str | None = None, snapshot: str | None = None,
+              node_rank: int | None = None) -> None: ...
+    def snapshot(self, sid: str) -> dict[str, Any]: ...
+
+
+class SnapshotSequence:
+    """One snapshot of one job across its nodes (node rank -> agent id): the phase list and its one rollback.
+    ``run()`` executes it to the end. How a command reaches the nodes is the subclass's: ``SnapshotRun``
+    through the hub (agents polling over HTTP), ``embedded.EmbeddedRun`` by calling the local node's
+    operations in-process."""
+
+    holds_network = True  # keep-running: the job network held across the dumps (only nodes of many need it)
+    rehearsal = False  # drain, quiesce and rebuild only: nothing captured (the embedded run's rehearse)
+    verify_kept = True  # keep-running: every node re-reads its image (a coordinator lists it valid only then)
+
+    def __init__(self, catalog: Journal, *, sid: str, job: str, mode: Mode, timeout_s: float,
+                 nodes: Mapping[int, str], cfg: MachineConfig | None = None,
                  log: Callable[[str], None] | None = None, metrics: CoordinatorMetrics | None = None) -> None:
         self.catalog = catalog
         self.metrics = metrics
-        self.hub = hub
         self.sid = sid
         self.job = job
         self.mode = mode
         self.timeout_s = timeout_s
         self.nodes = dict(sorted(nodes.items()))
-        self.incarnations = dict(incarnations)
         self.cfg = cfg or MachineConfig()
         self.log = log or (lambda _m: None)
         self.deadline = time.monotonic() + timeout_s
@@ -123,6 +158,7 @@ class SnapshotRun:
         self.images: dict[int, dict[str, Any]] = {}
         self.cancelled = False
         self.rolling_back = False
+        self.error: CryosleepError | None = None  # why the run failed (it was rolled back)
         self.holds_net = True  # some node has a job network to hold while dumping (its prepare answer says)
         self.finished = threading.Event()  # set once the run is over and no longer the job's active one
 
@@ -131,6 +167,283 @@ class SnapshotRun:
     def next_gen(self) -> int:
         self.gen += GEN_STRIDE
         return self.gen
+
+    def gather(self, op: Op, args: dict[str, Any] | Callable[[int], dict[str, Any]], deadline: float, *,
+               tolerant: bool = False, nodes: list[int] | None = None) -> Outcome:
+        """Sends ``op`` to every node and waits for every answer. Not tolerant: the first failure, a lost or
+        restarted agent, or the deadline raises (the rest is cancelled). Tolerant: waits for every node that
+        can still answer and returns the failures."""
+        raise NotImplementedError
+
+    def lost(self, node: int) -> bool:
+        """The node's agent is gone (rather than failing the command)."""
+        raise NotImplementedError
+
+    def still_the_job(self) -> bool:
+        """Some node still runs the incarnation of the job this snapshot was taken of (none restored since)."""
+        raise NotImplementedError
+
+    def forget(self) -> None:
+        """The run is over: what its transport kept for it goes."""
+
+    def _state(self, state: str, **kw: Any) -> None:
+        self.catalog.update_snapshot(self.sid, state=state, phases=self.phases.rounded(), **kw)
+        self.catalog.event("phase", state, job=self.job, snapshot=self.sid)
+        self.log(f"snapshot {self.sid}: {state}")
+
+    def _save_nodes(self) -> None:
+        for n, ph in self.node_phases.items():
+            self.catalog.update_node(self.sid, n, phases=ph, image=self.images.get(n))
+
+    def _save_states(self, states: dict[int, str]) -> None:
+        for n, st in states.items():
+            self.catalog.update_node(self.sid, n, state=st)
+
+    # ---- the phases ----------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        out = self.gather(Op.PREPARE, {"mode": str(self.mode), **({"rehearsal": True} if self.rehearsal else {})},
+                          self.deadline)
+        self.gen = max([int(d.get("gen", 0)) for d in out.ok.values()] + [0])
+        self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has
+
+    def drain(self) -> Decision:
+        gen = self.next_gen()
+        hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
+        out = self.gather(Op.HOLD, {"gen": gen, "hold_s": hold_s}, self.deadline)
+        views = {n: views_from_json(d) for n, d in out.ok.items()}
+        floor: dict[int, CommTarget] = {}
+        while True:
+            every: list[RankView] = [v for n in self.nodes for v in views[n]]
+            d = decide(time.monotonic(), self.deadline, every, floor)
+            self.cut = d
+            if d.action is Action.DONE:
+                self.catalog.event("cut", f"{d.reason}, after {self.rounds} round(s)", job=self.job,
+                                   snapshot=self.sid)
+                return d
+            if d.action is Action.GIVE_UP:
+                raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
+                                    "every node was resumed; snapshot again later, or with a longer --timeout",
+                                    ranks=sorted({v.rank for v in every if not (v.answered and v.settled)}))
+            self.rounds += 1
+            if d.action is Action.WRITE:
+                floor = d.targets
+                idents = {n: {s.ident for v in views[n] for s in v.comms} for n in self.nodes}
+                per_node = {n: {"round": self.rounds, "targets": targets_to_json(targets_for(d.targets, idents[n]))}
+                            for n in self.nodes}
+                out = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
+            else:
+                out = self.gather(Op.REPORT, {"round": self.rounds, "wait_s": self.cfg.report_wait_s},
+                                  self.deadline)
+            views = {n: views_from_json(dd) for n, dd in out.ok.items()}
+
+    def quiesce(self) -> None:
+        self.at_cut = True
+        self.catalog.update_snapshot(self.sid, at_cut=True)  # durable before any rank destroys a communicator
+        self.gather(Op.QUIESCE, {"gen": self.next_gen()}, self.deadline)
+
+    def capture(self) -> None:
+        """Keep-running: the job network is held on every node from before the first dump to after the last, so
+        that no byte crosses between a node already dumped (and running on) and one not yet dumped
+        (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump."""
+        keep = self.mode is Mode.KEEP_RUNNING and self.holds_network and self.holds_net
+        if keep:
+            self.gather(Op.NET_HOLD, {}, self.deadline)
+        self.gather(Op.CAPTURE, {"mode": str(self.mode), "gen": self.next_gen()}, self.deadline)
+        if keep:
+            self.gather(Op.NET_RELEASE, {}, self.deadline)
+
+    def rebuild_all(self, deadline: float) -> None:
+        """REBUILD(g) everywhere, ids relayed across nodes, every rank RUNNING(g), then RUN."""
+        gen = self.next_gen()
+        out = self.gather(Op.RESUME, {"gen": gen}, deadline)
+        uids: dict[str, str] = {}
+        for d in out.ok.values():
+            uids.update({str(k): str(v) for k, v in (d.get("uids") or {}).items()})
+        need = {n: [str(i) for i in d.get("need") or ()] for n, d in out.ok.items()}
+        missing = sorted({i for n in need for i in need[n] if i not in uids})
+        if missing:
+            raise CaptureFailed("the NCCL communicators could not be rebuilt across nodes",
+                                "no node published a fresh id for communicator(s) " + ", ".join(missing),
+                                "the member of rank 0 of each communicator must be on a node of this job")
+        self.gather(Op.RELAY, lambda n: {"gen": gen, "uids": {i: uids[i] for i in need[n]}}, deadline)
+        self.gather(Op.RUN, {"gen": self.next_gen()}, deadline)
+
+    def resume(self) -> None:
+        deadline = max(self.deadline, time.monotonic() + self.cfg.rollback_s)
+        for attempt in range(self.cfg.rebuild_retries + 1):
+            try:
+                self.rebuild_all(deadline)
+                break
+            except CaptureFailed as e:  # every node quiesces its rebuilt ranks again at the next resume
+                if attempt == self.cfg.rebuild_retries:
+                    raise
+                self.log(f"rebuild failed ({e.why}); quiescing the rebuilt ranks and retrying")
+        self.resumed = True
+        self.at_cut = False
+        self.catalog.update_snapshot(self.sid, at_cut=False)  # nothing quiesced left to rebuild after a restart
+
+    def persist(self) -> None:
+        verify = self.mode is Mode.STOP or self.verify_kept
+        out = self.gather(Op.PERSIST, {"mode": str(self.mode), "timeout_s": self.timeout_s, "verify": verify},
+                          self.deadline)
+        for n, d in out.ok.items():
+            image = d.get("image")
+            if not image:
+                raise CaptureFailed(f"node {n} persisted no image", "its answer names no image reference",
+                                    "the node agent is out of date?", node=n)
+            self.images[n] = dict(image)
+
+    def stop(self) -> list[str]:
+        out = self.gather(Op.STOP, {}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
+        return [f"node {f.node}: {f.why}" for f in out.failed]
+
+    # ---- the sequence --------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        stop = self.mode is Mode.STOP
+        ponr = False
+        try:
+            self._state("preparing")
+            with self.phases.phase("prepare"):
+                self.prepare()
+            self._state("draining")
+            with self.phases.phase("drain"):
+                self.drain()
+            self._state("quiescing")
+            with self.phases.phase("quiesce"):
+                self.quiesce()
+            if not self.rehearsal:
+                self._state("capturing")
+                with self.phases.phase("capture"):
+                    self.capture()
+            if not stop:
+                self._state("resuming")
+                with self.phases.phase("resume"):
+                    self.resume()
+            if self.rehearsal:
+                self._state("rehearsed")
+                return self.catalog.snapshot(self.sid)
+            self._state("persisting")
+            with self.phases.phase("persist"):
+                self.persist()
+            self._save_nodes()
+            self.catalog.mark_verified(self.sid, self.job, ponr=stop, phases=self.phases.rounded())
+            ponr = stop
+            self.catalog.event("verified", f"every node's image persisted and verified ({len(self.nodes)} nodes)",
+                               job=self.job, snapshot=self.sid)
+            if stop:
+                self.log(f"snapshot {self.sid}: point of no return")
+                with self.phases.phase("stop"):
+                    problems = self.stop()
+                for p in problems:
+                    self.catalog.event("stop-failed", p, job=self.job, snapshot=self.sid)
+                self.catalog.set_job_state(self.job, "suspended", self.sid)
+                self.catalog.update_snapshot(self.sid, phases=self.phases.rounded(), finished=True,
+                                             reason="; ".join(problems))
+            self._save_nodes()
+            self.catalog.update_snapshot(self.sid, phases=self.phases.rounded())
+            return self.catalog.snapshot(self.sid)
+        except Exception as e:
+            if ponr:  # nothing to undo: the snapshot is verified and the nodes were told to stop
+                self.catalog.event("error", f"after the point of no return: {e}", job=self.job, snapshot=self.sid)
+                return self.catalog.snapshot(self.sid)
+            err = e if isinstance(e, CryosleepError) else CaptureFailed(
+                f"the snapshot of job {self.job!r} failed", f"{type(e).__name__}: {e}", "see the coordinator's log")
+            self.error = err
+            self.rollback(err)
+            return self.catalog.snapshot(self.sid)
+        finally:
+            self.forget()
+
+    def rollback(self, err: CryosleepError) -> None:
+        """The one way back: every node aborts; if the cut was reached, every node rebuilds and runs again."""
+        self.rolling_back = True
+        self.catalog.event("error", str(err.what) + (f": {err.why}" if err.why else ""), job=self.job,
+                           snapshot=self.sid)
+        self._state("rolling-back", reason=err.what)
+        deadline = time.monotonic() + self.cfg.rollback_s
+        problems: list[str] = []
+        states = dict.fromkeys(self.nodes, "resumed")
+        with self.phases.phase("rollback"):
+            at_cut = self.at_cut and not self.resumed
+            out = self.gather(Op.ABORT, {"at_cut": at_cut, "gen": self.next_gen()}, deadline, tolerant=True)
+            exited = sorted(n for n, d in out.ok.items() if d.get("state") == "exited")
+            for n in exited:
+                states[n] = "exited"
+                problems.append(f"node {n}: its workers exited during the snapshot")
+            for f in out.failed:
+                lost = self.lost(f.node)
+                states[f.node] = "lost" if lost else "not-resumed"
+                if lost and not at_cut:  # its ranks were only held: their interceptors release the HOLD by themselves
+                    self.catalog.event("rollback", f"node {f.node}: {f.why}; its ranks are released by the HOLD "
+                                       "deadline", job=self.job, snapshot=self.sid, node_rank=f.node)
+                else:
+                    problems.append(f"node {f.node}: {f.why}")
+            if at_cut:
+                for attempt in range(2):
+                    try:
+                        self.rebuild_all(deadline)
+                        break
+                    except CaptureFailed as e:
+                        if attempt == 1:
+                            problems.append(f"{e.what}: {e.why}")
+                            states = {n: "lost" if st == "lost" else "not-resumed" for n, st in states.items()}
+                            break
+                        again = self.gather(Op.ABORT, {"at_cut": True, "gen": self.next_gen()}, deadline,
+                                            tolerant=True)
+                        problems += [f"node {f.node}: {f.why}" for f in again.failed]
+        ended = False
+        if problems and (at_cut or exited):
+            # past the cut, a node that cannot be brought back leaves the others unable to go on (their peers
+            # are gone, or quiesced for good), and so does a node whose workers exited, at any phase (the others
+            # would wait on them until their own timeouts): every node still answering ends its workers, so that
+            # no part of the job is left half-dead; a lost agent's own watchdog has ended its node
+            # (agent/watchdog.py)
+            reason = (f"the workers of node(s) {', '.join(map(str, exited))} exited during snapshot {self.sid}"
+                      if exited else f"snapshot {self.sid} could not be rolled back on every node")
+            out = self.gather(Op.END, {"reason": reason}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
+            ended = True
+            for n in out.ok:
+                states[n] = "ended"
+            problems += [f"node {f.node}: {f.why}" for f in out.failed]
+        if problems:
+            err.details["rollback_problems"] = problems
+            err.hint = ("some nodes could not be resumed" + (", so the job was ended on every node" if ended else "")
+                        + ": restore its last verified snapshot (`cryosleep coordinator snapshots JOB --valid`)")
+            for p in problems:
+                self.catalog.event("rollback-failed", p, job=self.job, snapshot=self.sid)
+            if ended:
+                self.catalog.event("ended", "the job was ended on every node still answering", job=self.job,
+                                   snapshot=self.sid)
+        self._save_nodes()
+        self._save_states(states)
+        self.catalog.update_snapshot(self.sid, state="failed", reason=err.what, error=err.to_json(),
+                                     phases=self.phases.rounded(), finished=True)
+        if self.still_the_job():
+            self.catalog.set_job_state(self.job, "damaged" if problems else "running")
+        # else every node runs another incarnation now (restored since): the job's state is theirs, not this one's
+        self.log(f"snapshot {self.sid}: failed ({err.what})")
+
+
+class SnapshotRun(SnapshotSequence):
+    """The coordinator's run of a snapshot: commands go to the node agents through the hub (their polls), each
+    agent's incarnation checked at every step."""
+
+    def __init__(self, catalog: Catalog, hub: Hub, *, sid: str, job: str, mode: Mode, timeout_s: float,
+                 nodes: Mapping[int, str], incarnations: Mapping[str, str], cfg: MachineConfig | None = None,
+                 log: Callable[[str], None] | None = None, metrics: CoordinatorMetrics | None = None) -> None:
+        super().__init__(catalog, sid=sid, job=job, mode=mode, timeout_s=timeout_s, nodes=nodes, cfg=cfg, log=log,
+                         metrics=metrics)
+        self.catalog: Catalog = catalog
+        self.hub = hub
+        self.incarnations = dict(incarnations)
+
+    def _save_nodes(self) -> None:  # one transaction for every node
+        self.catalog.update_nodes(self.sid, {n: (ph, self.images.get(n)) for n, ph in self.node_phases.items()})
+
+    def _save_states(self, states: dict[int, str]) -> None:
+        self.catalog.update_node_states(self.sid, states)
 
     def gather(self, op: Op, args: dict[str, Any] | Callable[[int], dict[str, Any]], deadline: float, *,
                tolerant: bool = False, nodes: list[int] | None = None) -> Outcome:
@@ -217,223 +530,14 @@ class SnapshotRun:
                                 node=first.node, op=str(op), snapshot=self.sid)
         return out
 
-    def _state(self, state: str, **kw: Any) -> None:
-        self.catalog.update_snapshot(self.sid, state=state, phases=self.phases.rounded(), **kw)
-        self.catalog.event("phase", state, job=self.job, snapshot=self.sid)
-        self.log(f"snapshot {self.sid}: {state}")
+    def lost(self, node: int) -> bool:
+        return not self.hub.alive(self.nodes[node], self.cfg.lost_after_s)
 
-    def _save_nodes(self) -> None:
-        self.catalog.update_nodes(self.sid, {n: (ph, self.images.get(n)) for n, ph in self.node_phases.items()})
+    def still_the_job(self) -> bool:
+        return any(self.hub.incarnation(a) in (None, self.incarnations[a]) for a in self.nodes.values())
 
-    # ---- the phases ----------------------------------------------------------------------------------------
-
-    def prepare(self) -> None:
-        out = self.gather(Op.PREPARE, {"mode": str(self.mode)}, self.deadline)
-        self.gen = max([int(d.get("gen", 0)) for d in out.ok.values()] + [0])
-        self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has
-
-    def drain(self) -> Decision:
-        gen = self.next_gen()
-        hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
-        out = self.gather(Op.HOLD, {"gen": gen, "hold_s": hold_s}, self.deadline)
-        views = {n: views_from_json(d) for n, d in out.ok.items()}
-        floor: dict[int, CommTarget] = {}
-        while True:
-            every: list[RankView] = [v for n in self.nodes for v in views[n]]
-            d = decide(time.monotonic(), self.deadline, every, floor)
-            self.cut = d
-            if d.action is Action.DONE:
-                self.catalog.event("cut", f"{d.reason}, after {self.rounds} round(s)", job=self.job,
-                                   snapshot=self.sid)
-                return d
-            if d.action is Action.GIVE_UP:
-                raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
-                                    "every node was resumed; snapshot again later, or with a longer --timeout")
-            self.rounds += 1
-            if d.action is Action.WRITE:
-                floor = d.targets
-                idents = {n: {s.ident for v in views[n] for s in v.comms} for n in self.nodes}
-                per_node = {n: {"round": self.rounds, "targets": targets_to_json(targets_for(d.targets, idents[n]))}
-                            for n in self.nodes}
-                out = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
-            else:
-                out = self.gather(Op.REPORT, {"round": self.rounds, "wait_s": self.cfg.report_wait_s},
-                                  self.deadline)
-            views = {n: views_from_json(dd) for n, dd in out.ok.items()}
-
-    def quiesce(self) -> None:
-        self.at_cut = True
-        self.catalog.update_snapshot(self.sid, at_cut=True)  # durable before any rank destroys a communicator
-        self.gather(Op.QUIESCE, {"gen": self.next_gen()}, self.deadline)
-
-    def capture(self) -> None:
-        """Keep-running: the job network is held on every node from before the first dump to after the last, so
-        that no byte crosses between a node already dumped (and running on) and one not yet dumped
-        (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump; nor does a job
-        without a job network on any node (two rounds fewer)."""
-        hold = self.mode is Mode.KEEP_RUNNING and self.holds_net
-        if hold:
-            self.gather(Op.NET_HOLD, {}, self.deadline)
-        self.gather(Op.CAPTURE, {"mode": str(self.mode), "gen": self.next_gen()}, self.deadline)
-        if hold:
-            self.gather(Op.NET_RELEASE, {}, self.deadline)
-
-    def rebuild_all(self, deadline: float) -> None:
-        """REBUILD(g) everywhere, ids relayed across nodes, every rank RUNNING(g), then RUN."""
-        gen = self.next_gen()
-        out = self.gather(Op.RESUME, {"gen": gen}, deadline)
-        uids: dict[str, str] = {}
-        for d in out.ok.values():
-            uids.update({str(k): str(v) for k, v in (d.get("uids") or {}).items()})
-        need = {n: [str(i) for i in d.get("need") or ()] for n, d in out.ok.items()}
-        missing = sorted({i for n in need for i in need[n] if i not in uids})
-        if missing:
-            raise CaptureFailed("the NCCL communicators could not be rebuilt across nodes",
-                                "no node published a fresh id for communicator(s) " + ", ".join(missing),
-                                "the member of rank 0 of each communicator must be on a node of this job")
-        self.gather(Op.RELAY, lambda n: {"gen": gen, "uids": {i: uids[i] for i in need[n]}}, deadline)
-        self.gather(Op.RUN, {"gen": self.next_gen()}, deadline)
-
-    def resume(self) -> None:
-        self.rebuild_all(max(self.deadline, time.monotonic() + self.cfg.rollback_s))
-        self.resumed = True
-        self.at_cut = False
-        self.catalog.update_snapshot(self.sid, at_cut=False)  # nothing quiesced left to rebuild after a restart
-
-    def persist(self) -> None:
-        out = self.gather(Op.PERSIST, {"mode": str(self.mode)}, self.deadline)
-        for n, d in out.ok.items():
-            image = d.get("image")
-            if not image:
-                raise CaptureFailed(f"node {n} persisted no image", "its answer names no image reference",
-                                    "the node agent is out of date?", node=n)
-            self.images[n] = dict(image)
-
-    def stop(self) -> list[str]:
-        out = self.gather(Op.STOP, {}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
-        return [f"node {f.node}: {f.why}" for f in out.failed]
-
-    # ---- the sequence --------------------------------------------------------------------------------------
-
-    def run(self) -> dict[str, Any]:
-        stop = self.mode is Mode.STOP
-        ponr = False
-        try:
-            self._state("preparing")
-            with self.phases.phase("prepare"):
-                self.prepare()
-            self._state("draining")
-            with self.phases.phase("drain"):
-                self.drain()
-            self._state("quiescing")
-            with self.phases.phase("quiesce"):
-                self.quiesce()
-            self._state("capturing")
-            with self.phases.phase("capture"):
-                self.capture()
-            if not stop:
-                self._state("resuming")
-                with self.phases.phase("resume"):
-                    self.resume()
-            self._state("persisting")
-            with self.phases.phase("persist"):
-                self.persist()
-            self._save_nodes()
-            self.catalog.mark_verified(self.sid, self.job, ponr=stop, phases=self.phases.rounded())
-            ponr = stop
-            self.catalog.event("verified", f"every node's image persisted and verified ({len(self.nodes)} nodes)",
-                               job=self.job, snapshot=self.sid)
-            if stop:
-                self.log(f"snapshot {self.sid}: point of no return")
-                with self.phases.phase("stop"):
-                    problems = self.stop()
-                for p in problems:
-                    self.catalog.event("stop-failed", p, job=self.job, snapshot=self.sid)
-                self.catalog.set_job_state(self.job, "suspended", self.sid)
-                self.catalog.update_snapshot(self.sid, phases=self.phases.rounded(), finished=True,
-                                             reason="; ".join(problems))
-            self._save_nodes()
-            self.catalog.update_snapshot(self.sid, phases=self.phases.rounded())
-            return self.catalog.snapshot(self.sid)
-        except Exception as e:
-            if ponr:  # nothing to undo: the snapshot is verified and the nodes were told to stop
-                self.catalog.event("error", f"after the point of no return: {e}", job=self.job, snapshot=self.sid)
-                return self.catalog.snapshot(self.sid)
-            err = e if isinstance(e, CryosleepError) else CaptureFailed(
-                f"the snapshot of job {self.job!r} failed", f"{type(e).__name__}: {e}", "see the coordinator's log")
-            self.rollback(err)
-            return self.catalog.snapshot(self.sid)
-        finally:
-            self.hub.forget(self.sid)
-
-    def rollback(self, err: CryosleepError) -> None:
-        """The one way back: every node aborts; if the cut was reached, every node rebuilds and runs again."""
-        self.rolling_back = True
-        self.catalog.event("error", str(err.what) + (f": {err.why}" if err.why else ""), job=self.job,
-                           snapshot=self.sid)
-        self._state("rolling-back", reason=err.what)
-        deadline = time.monotonic() + self.cfg.rollback_s
-        problems: list[str] = []
-        states = dict.fromkeys(self.nodes, "resumed")
-        with self.phases.phase("rollback"):
-            at_cut = self.at_cut and not self.resumed
-            out = self.gather(Op.ABORT, {"at_cut": at_cut, "gen": self.next_gen()}, deadline, tolerant=True)
-            exited = sorted(n for n, d in out.ok.items() if d.get("state") == "exited")
-            for n in exited:
-                states[n] = "exited"
-                problems.append(f"node {n}: its workers exited during the snapshot")
-            for f in out.failed:
-                lost = not self.hub.alive(self.nodes[f.node], self.cfg.lost_after_s)
-                states[f.node] = "lost" if lost else "not-resumed"
-                if lost and not at_cut:  # its ranks were only held: their interceptors release the HOLD by themselves
-                    self.catalog.event("rollback", f"node {f.node}: {f.why}; its ranks are released by the HOLD "
-                                       "deadline", job=self.job, snapshot=self.sid, node_rank=f.node)
-                else:
-                    problems.append(f"node {f.node}: {f.why}")
-            if at_cut:
-                for attempt in range(2):
-                    try:
-                        self.rebuild_all(deadline)
-                        break
-                    except CaptureFailed as e:
-                        if attempt == 1:
-                            problems.append(f"{e.what}: {e.why}")
-                            states = {n: "lost" if st == "lost" else "not-resumed" for n, st in states.items()}
-                            break
-                        again = self.gather(Op.ABORT, {"at_cut": True, "gen": self.next_gen()}, deadline,
-                                            tolerant=True)
-                        problems += [f"node {f.node}: {f.why}" for f in again.failed]
-        ended = False
-        if problems and (at_cut or exited):
-            # past the cut, a node that cannot be brought back leaves the others unable to go on (their peers
-            # are gone, or quiesced for good), and so does a node whose workers exited, at any phase (the others
-            # would wait on them until their own timeouts): every node still answering ends its workers, so that
-            # no part of the job is left half-dead; a lost agent's own watchdog has ended its node
-            # (agent/watchdog.py)
-            reason = (f"the workers of node(s) {', '.join(map(str, exited))} exited during snapshot {self.sid}"
-                      if exited else f"snapshot {self.sid} could not be rolled back on every node")
-            out = self.gather(Op.END, {"reason": reason}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
-            ended = True
-            for n in out.ok:
-                states[n] = "ended"
-            problems += [f"node {f.node}: {f.why}" for f in out.failed]
-        if problems:
-            err.details["rollback_problems"] = problems
-            err.hint = ("some nodes could not be resumed" + (", so the job was ended on every node" if ended else "")
-                        + ": restore its last verified snapshot (`cryosleep coordinator snapshots JOB --valid`)")
-            for p in problems:
-                self.catalog.event("rollback-failed", p, job=self.job, snapshot=self.sid)
-            if ended:
-                self.catalog.event("ended", "the job was ended on every node still answering", job=self.job,
-                                   snapshot=self.sid)
-        self._save_nodes()
-        self.catalog.update_node_states(self.sid, states)
-        self.catalog.update_snapshot(self.sid, state="failed", reason=err.what, error=err.to_json(),
-                                     phases=self.phases.rounded(), finished=True)
-        if any(self.hub.incarnation(a) in (None, self.incarnations[a]) for a in self.nodes.values()):
-            self.catalog.set_job_state(self.job, "damaged" if problems else "running")
-        # else every node runs another incarnation now (restored since): the job's state is theirs, not this one's
-        self.log(f"snapshot {self.sid}: failed ({err.what})")
+    def forget(self) -> None:
+        self.hub.forget(self.sid)
 
 
 class RecoveryRun(SnapshotRun):

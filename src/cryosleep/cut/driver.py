@@ -120,6 +120,12 @@ class Driver:
         dead, self._missing = sorted(missing & self._missing), missing
         return dead
 
+    def check_alive(self, waiting: str) -> None:
+        """Raises if a rank's worker has exited (two looks, GONE_EVERY_S apart, agree) while waiting for ``waiting``."""
+        dead = self.exited(self.ranks)
+        if dead:
+            self._raise_exited(dead, waiting)
+
     def _raise_exited(self, dead: list[int], waiting: str) -> None:
         raise InterceptorError(f"the worker of rank(s) {dead} exited", f"while waiting for {waiting}",
                                "the job ended or a rank died; the snapshot cannot be taken", ranks=dead)
