@@ -17,7 +17,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN = $(VENV)/bin
 
-.PHONY: setup venv native criu s3server slurm postgresql test test-extended test-slurm test-fast demo lint clean
+.PHONY: setup venv native criu s3server slurm postgresql test test-extended test-slurm test-chaos test-fast demo lint clean
 
 setup: venv native criu s3server slurm postgresql
 
@@ -63,8 +63,11 @@ test-extended: setup
 test-slurm: setup
 	$(BIN)/python -m pytest -q -m slurm --durations=10
 
+test-chaos: setup
+	$(BIN)/python -m pytest -q -m chaos --durations=10
+
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not extended and not slurm"
+	$(BIN)/python -m pytest -q -m "not slow and not extended and not slurm and not chaos"
 
 demo: setup
 	$(BIN)/cryosleep demo

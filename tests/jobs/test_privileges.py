@@ -16,7 +16,7 @@ import pytest
 from cryosleep.core import privileges
 from tests.jobs.harness import Harness, assert_identical, workload
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # minutes: the extended tier (CI runs it)
 
 ARGS = ["--steps", "16", "--step-sleep", "0.05"]
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]

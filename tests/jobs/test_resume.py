@@ -138,6 +138,7 @@ def test_the_kubelet_signal_sequence_ends_suspended_and_the_replacement_pod_resu
     assert_identical(h, "rs", SCRIPT, ARGS, [0, 1])
 
 
+@pytest.mark.extended  # two runs of the job, a stop snapshot and a restore: the extended tier (CI runs it)
 def test_a_replacement_on_another_machine_waits_for_the_stop_snapshot_then_resumes(h: Harness,
                                                                                     tmp_path: Path) -> None:
     """A pod's replacement on another node starts while the old pod still runs (a Job's default replacement

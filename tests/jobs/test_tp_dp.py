@@ -18,7 +18,7 @@ from tests.jobs.harness import Harness, free_port, reference, workload
 from tests.jobs.test_coordinated_nccl import coord, restore_both  # noqa: F401 - the fixture
 from tests.jobs.test_nccl_cut import h  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # minutes: the extended tier (CI runs it)
 
 
 def test_tensor_parallel_in_nodes_data_parallel_across_snapshot_and_restore(h: Harness,  # noqa: F811

@@ -19,7 +19,7 @@ from cryosleep.store.auth import SignKey, sign
 from cryosleep.store.manifest import Manifest
 from tests.jobs.harness import Harness, reference, workload
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # minutes: the extended tier (CI runs it)
 
 ARGS = ["--steps", "20", "--step-sleep", "0.05"]
 

@@ -400,6 +400,7 @@ def test_unserved_pinned_version_says_update_lock(tmp_path: Path, monkeypatch: p
 
 
 @needs_apt
+@pytest.mark.extended  # minutes of downloads from the archive: the extended tier (CI runs it)
 def test_update_lock_resolves_closure(tmp_path: Path) -> None:
     out = ci.update_lock(out=tmp_path / "new.lock.json")
     new = toolprefix.load_lock(out)
