@@ -27,7 +27,7 @@ from tests.jobs.coordinated import Coordinator
 from tests.jobs.harness import Harness, reference, workload
 from tests.jobs.hosts import UNDERLAY, HostHarness, restore_pair, start_host_daemon, two_hosts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # minutes: the extended tier (CI runs it)
 
 # long enough to outlive a keep-running snapshot and reach step 20 after it
 ARGS = ["--steps", "150", "--step-sleep", "0.05"]

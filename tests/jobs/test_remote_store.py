@@ -22,7 +22,7 @@ from tests.jobs.test_triggers import scrape
 from tests.store.conftest import new_bucket, require_radosgw, settings_of
 from tools.s3serve import S3Server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # minutes: the extended tier (CI runs it)
 
 
 @pytest.fixture
