@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from cryosleep.errors import CryosleepError
+from cryosleep.errors import Conflict, CryosleepError
 
 Policy = Literal["auto", "latest", "fresh"]
 
@@ -202,24 +202,6 @@ def read_local_record(store_root: Path, job: str) -> StoreRecord | None:
     return rec if rec is not None and rec.job == job else None
 
 
-def write_remote_record(url: str, rec: StoreRecord) -> None:
-    from cryosleep.store.urls import open_backend  # the S3 client, only when a remote store is used
-
-    open_backend(url).put(record_name(rec.job), json.dumps(rec.to_json(), sort_keys=True).encode())
-
-
-def read_remote_record(url: str, job: str) -> StoreRecord | None:
-    from cryosleep.errors import ObjectNotFound
-    from cryosleep.store.urls import open_backend
-
-    try:
-        data = open_backend(url).get(record_name(job))
-    except ObjectNotFound:
-        return None
-    rec = StoreRecord.parse(data)
-    return rec if rec is not None and rec.job == job else None
-
-
 def remote_of(persist: dict[str, Any] | None) -> str | None:
     """The remote store a job persists to (its spec's ``persist``), if any."""
     return str((persist or {}).get("url") or "") or None
@@ -295,8 +277,6 @@ class Claim:
         """The agent's write (a heartbeat, a restore, the end): over our own record only. False when another run
         took the record (our lease lapsed, or an operator's restore elsewhere): it is not written over, and
         :attr:`lost` says who holds it."""
-        from cryosleep.errors import Conflict
-
         with self._lock:
             if self.lost is not None:
                 return False

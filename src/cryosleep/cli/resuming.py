@@ -60,8 +60,6 @@ def gather(spec: JobSpec, policy: resume.Policy, claim: resume.Claim | None = No
         there = claim.read()
         if there is not None and (rec is None or there.at >= rec.at):
             rec = there
-    elif rec is None and remote is not None:
-        rec = resume.read_remote_record(remote, spec.name)
     candidates: list[resume.Candidate] = []
     suspended = last_state == "suspended" or (rec is not None and rec.state == "suspended")
     if policy == "latest" or (policy == "auto" and suspended):  # else the choice reads no snapshot: none listed
@@ -78,7 +76,7 @@ def _wait_previous(spec: JobSpec, policy: resume.Policy, claim: resume.Claim, wa
     """What the store says once no other run holds the job's claim (a run elsewhere still refreshing its lease is
     waited for: a pod's replacement starts while the old pod's stop snapshot is being taken)."""
     start = time.monotonic()
-    said = 0.0
+    next_say = 0.0  # said at once, then every 10 s
     while True:
         found = gather(spec, policy, claim)
         rec = claim.last  # the version the claim writes over, the one the choice reads
@@ -92,10 +90,10 @@ def _wait_previous(spec: JobSpec, policy: resume.Policy, claim: resume.Claim, wa
                        f"its record in {claim.url} was refreshed {now - rec.at:.0f} s ago (a run holds the job while "
                        f"it refreshes the record within {resume.LEASE_S:.0f} s); waited {waited:.0f} s for it to end",
                        "stop that run (its stop snapshot then resumes here), or give --wait-previous more seconds")
-        if waited - said >= 10.0 or said == 0.0:
+        if waited >= next_say:
             say(f"job {spec.name} is running on {rec.host} (its record in the store, refreshed {now - rec.at:.0f} s "
                 f"ago): waiting up to {wait_s - waited:.0f} s more for that run to end")
-            said = max(waited, 1e-9)
+            next_say = waited + 10.0
         time.sleep(min(1.0, max(0.05, wait_s - waited)))
 
 
