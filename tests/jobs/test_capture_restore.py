@@ -63,9 +63,11 @@ def test_many_snapshots_stop_restore_twice(h: Harness, tmp_path: Path) -> None:
     script = workload("ddp_basic")
     # The job waits after its last step until the test lets it end: on a loaded machine a keep-running snapshot
     # takes seconds (CRIU's dump, then the checksum while the job runs on), and 60 steps of 0.05 s were all done
-    # before the third snapshot, which then found no job.
+    # before the third snapshot, which then found no job. Each rank starts a child process every step that ends
+    # 30 ms later (--churn): a process that comes and goes, exiting 0, during a snapshot is the job's own (a
+    # DataLoader's workers at an epoch's end), not a failure (before: Lightning's snapshots failed in CI).
     linger = tmp_path / "linger"
-    args = ["--steps", "60", "--step-sleep", "0.05", "--linger", str(linger)]
+    args = ["--steps", "60", "--step-sleep", "0.05", "--linger", str(linger), "--churn"]
     h.run("many", script, args)
     for step in (5, 10, 15):
         h.wait_step("many", step)
@@ -205,7 +207,7 @@ def test_a_worker_that_exits_during_the_snapshot_is_named(h: Harness) -> None:
     out, _ = snap.communicate(timeout=60)
     err = json.loads(out)
     assert err["error"] == "capture_failed", err
-    assert "exited while the snapshot ran" in err["what"] and str(victim) in err["why"], err
+    assert "ended while the snapshot ran" in err["what"] and str(victim) in err["why"], err
     assert h.wait_end("ending") != 0
     assert h.ls() == []
 

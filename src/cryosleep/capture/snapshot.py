@@ -174,6 +174,8 @@ class NodeCapture:
         self.dump_rid: str | None = None
         self.dumped = False
         self.tree: list[int] = []
+        self.watch: proctree.Watch | None = None  # the tree's processes at the preflight: which end, and how
+        self.own: set[int] = set()  # the sandbox's init and the workers it started (its children)
         self.rss = 0
         self.mounts: list[str] = []
         self.outbound_facts: dict[str, Any] = {}
@@ -210,6 +212,8 @@ class NodeCapture:
             if problems:
                 raise _refuse(target, problems)
             self.tree = proctree.tree(target.init_pid)
+            self.watch = proctree.Watch(self.tree)
+            self.own = {target.init_pid, *proctree.children(target.init_pid)}
             self.rss = sum(proctree.rss_bytes(p) for p in self.tree)
             if cuda.gpu_processes(target.init_pid):
                 self.gpus = cuda.GpuSet(cuda.cuda_processes(target.init_pid))
@@ -266,11 +270,11 @@ class NodeCapture:
                 stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
                 if stages:  # the fast path's staging files: copied in ``commit``, outside the freeze
                     extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
-            if gone := [p for p in self.tree if not proctree.alive(p)]:  # died since the preflight, maybe reaped:
-                raise CaptureFailed(  # an image now would hold a job that fails at once (chaos seed 301)
-                    f"processes of job {self.target.spec.name!r} exited before the dump",
-                    f"its process(es) {', '.join(map(str, gone))} ended while the snapshot ran",
-                    "an ending job cannot be captured; its last snapshot is still valid")
+            if failed := self.failed_processes():  # an image now would hold a job that fails at once (chaos
+                raise JobEnding(  # seed 301: a DataLoader worker killed before the dump)
+                    f"processes of job {self.target.spec.name!r} ended before the dump",
+                    f"since the snapshot began, {failed}",
+                    "a failing or ending job cannot be captured; its last snapshot is still valid")
             node_dir = self.staging.node_dir(self.node_rank)
             rec = netlock.DumpRecord(str(node_dir))
             self.record(rec)
@@ -404,19 +408,27 @@ class NodeCapture:
     def explain(self, e: BaseException) -> CryosleepError:
         """The error to report for a step that failed (the sequence's rollback then resumes the job)."""
         err = _as_failure(e, "the snapshot failed")
-        ended = [p for p in self.tree if proctree.state(p) in ("Z", "X", "gone")]
-        if ended:  # the job was ending: what failed is a symptom of that, not the thing to report
+        failed = self.failed_processes()
+        if failed and not isinstance(e, JobEnding):
+            # the job was failing or ending: what failed is a symptom of that, not the thing to report
             err = CaptureFailed(
-                f"processes of job {self.target.spec.name!r} exited while the snapshot ran",
-                f"its process(es) {', '.join(map(str, ended))} exited during the snapshot, which then failed "
-                f"({err.what}: {err.why})",
-                "an ending job cannot be captured; its last snapshot is still valid", **err.details)
+                f"processes of job {self.target.spec.name!r} ended while the snapshot ran",
+                f"{failed}, and then the snapshot failed ({err.what}: {err.why})",
+                "a failing or ending job cannot be captured; its last snapshot is still valid", **err.details)
         return err
+
+    def failed_processes(self) -> str:
+        """Which of the job's processes ended since the preflight in a way an image cannot hold, as words ("" when
+        none did): ``failed_processes`` below."""
+        return failed_processes(self.watch, self.own, self.target.init_pid) if self.watch is not None else ""
 
     def close(self) -> None:
         """The snapshot is over here (the job runs, or was ended): the watchdog disarmed, the blocks closed."""
         if self.target.arm is not None:
             self.target.arm(None)
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if self.nccl is not None:
             self.nccl.close()
 
@@ -480,6 +492,20 @@ def undo_nccl(nccl: Driver | None, at_cut: bool, deadline: float) -> None:
             nccl.requiesce(live, deadline)
     elif nccl.touched:
         nccl.run()
+
+
+def failed_processes(watch: proctree.Watch, own: set[int], init_pid: int) -> str:
+    """Which of the watched processes ended in a way an image cannot hold, as words ("" when none did): the
+    sandbox's init or a worker it started (``own``), however they ended; any other process killed, failed or
+    whose status is unknown. A descendant that exited 0 is the job's own churn (a DataLoader's workers at an
+    epoch's end, a compiler's): the image holds the tree as it is at the dump."""
+    bad = {p: st for p, st in watch.ended().items() if p in own or st != 0}
+    return ", ".join(f"process {p} {'(a worker) ' if p in own and p != init_pid else ''}"
+                     f"{proctree.describe_status(st)}" for p, st in sorted(bad.items()))
+
+
+class JobEnding(CaptureFailed):
+    """The job's processes ended in a way no image can hold (``NodeCapture.failed_processes``)."""
 
 
 def _as_failure(e: BaseException, what: str) -> CryosleepError:

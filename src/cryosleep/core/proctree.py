@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
+import select
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +92,65 @@ def killed_by(pid: int) -> int:
     if fields[0] not in ("Z", "X") or len(fields) < 50:
         return 0
     return int(fields[49]) & 0x7F
+
+
+# linux/pidfd.h (6.15): PIDFD_GET_INFO = _IOWR(0xFF, 11, struct pidfd_info), the struct's first 64 bytes
+_PIDFD_GET_INFO = (3 << 30) | (64 << 16) | (0xFF << 8) | 11
+_PIDFD_INFO_EXIT = 8
+_EXIT_CODE_AT = 60  # struct pidfd_info: mask, cgroupid (u64 each), pid .. fsgid (11 x u32), then exit_code (s32)
+
+
+def describe_status(status: int | None) -> str:
+    """A wait status as words: "exited 0", "killed by signal 9", "ended, how unknown" (None)."""
+    if status is None:
+        return "ended, how unknown"
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exited {os.WEXITSTATUS(status)}"
+
+
+class Watch:
+    """Pidfds on processes, opened while they ran: which of them have ended since, and how. A pidfd names one
+    process even once its PID is reused; from Linux 6.15 it keeps the wait status after the parent has reaped
+    it (PIDFD_INFO_EXIT), before that only a zombie's status is known (/proc's field 52)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.fds: dict[int, int] = {}
+        for pid in pids:
+            try:
+                self.fds[pid] = os.pidfd_open(pid)
+            except OSError:  # gone already: the caller's next look at the tree sees that
+                continue
+
+    def ended(self) -> dict[int, int | None]:
+        """pid -> wait status (None: unknown) of each watched process that has exited."""
+        if not self.fds:
+            return {}
+        poller = select.poll()
+        by_fd = {fd: pid for pid, fd in self.fds.items()}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
+        return {by_fd[fd]: self._status(fd, by_fd[fd]) for fd, _ev in poller.poll(0)}
+
+    @staticmethod
+    def _status(fd: int, pid: int) -> int | None:
+        buf = bytearray(64)
+        struct.pack_into("Q", buf, 0, _PIDFD_INFO_EXIT)
+        try:
+            fcntl.ioctl(fd, _PIDFD_GET_INFO, buf)
+            if struct.unpack_from("Q", buf, 0)[0] & _PIDFD_INFO_EXIT:
+                return int(struct.unpack_from("i", buf, _EXIT_CODE_AT)[0])
+        except OSError:  # before 6.15, or not reaped yet
+            pass
+        fields = _stat(pid)  # a zombie (not reaped, so its PID is still its own)
+        if len(fields) >= 50 and fields[0] in ("Z", "X"):
+            return int(fields[49])
+        return None
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
 
 
 def ns_pid(pid: int) -> int | None:

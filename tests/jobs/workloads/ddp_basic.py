@@ -1,15 +1,17 @@
 """2-rank (or N-rank) DDP on CPU with gloo and AdamW; prints each step's loss as exact float hex.
 
 Usage (under torchrun or cryosleep run): ddp_basic.py --steps N [--step-sleep S] [--hidden H] [--mem-mb M]
-[--own-log DIR] [--linger FILE] [--hold-at N --hold FILE]. --mem-mb keeps that much extra state per rank (to
+[--own-log DIR] [--linger FILE] [--hold-at N --hold FILE] [--churn]. --mem-mb keeps that much extra state per rank (to
 measure snapshot cost against memory); --own-log makes each rank append its losses to a file it keeps open (a
 job's own log); --linger: after the last step, wait for FILE before ending (the job stays up for a test however
 slow the machine is); --hold-at N --hold FILE: after step N, wait for FILE (every rank between two steps, no
-collective under way: a test acts on the job at a known quiet moment).
+collective under way: a test acts on the job at a known quiet moment); --churn: every step starts a short-lived
+child process (it exits 0 some 30 ms later, reaped the next step), as a DataLoader's workers come and go.
 """
 
 import argparse
 import os
+import subprocess
 import time
 
 import torch
@@ -27,6 +29,7 @@ def main() -> None:
     p.add_argument("--linger", default="", help="after the last step, wait for this file before ending")
     p.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold FILE")
     p.add_argument("--hold", default="", help="the file --hold-at waits for")
+    p.add_argument("--churn", action="store_true", help="a short-lived child process each step")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -40,7 +43,12 @@ def main() -> None:
     ballast = torch.randn(args.mem_mb * 1024 * 1024 // 4) if args.mem_mb else None
     gen = torch.Generator().manual_seed(100 + rank)
     own = open(os.path.join(args.own_log, f"train-rank{rank}.log"), "a") if args.own_log else None
+    child = None
     for step in range(args.steps):
+        if args.churn:
+            if child is not None:
+                child.wait()
+            child = subprocess.Popen(["sleep", "0.03"])
         x = torch.randn(32, 16, generator=gen)
         y = x.sum(dim=1, keepdim=True).sin()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
