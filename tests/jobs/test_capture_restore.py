@@ -93,7 +93,10 @@ def test_restore_older_snapshot_after_everything_was_killed(h: Harness, tmp_path
     script = workload("ddp_basic")
     own = tmp_path / "own-logs"
     own.mkdir()
-    args = ["--steps", "80", "--step-sleep", "0.05", "--own-log", str(own)]
+    # the job waits after its last step (--linger): under load a keep-running snapshot takes seconds, and the 80
+    # steps were once all done before the test looked for five more (the job had ended: nothing to kill)
+    linger = tmp_path / "linger"
+    args = ["--steps", "80", "--step-sleep", "0.05", "--own-log", str(own), "--linger", str(linger)]
     h.run("crash", script, args)
     h.wait_step("crash", 8)
     s = h.snapshot("crash")
@@ -104,6 +107,7 @@ def test_restore_older_snapshot_after_everything_was_killed(h: Harness, tmp_path
     h.kill_all("crash")
     assert h.state("crash") == "lost"
     h.restore(s["snapshot"])
+    linger.touch()
     assert h.wait_end("crash") == 0
     # The job's own log was brought back to its state at the snapshot, then continued: no step twice.
     own_lines = [" ".join(ln.split()[1::2]) for ln in (own / "train-rank1.log").read_text().splitlines()]

@@ -178,6 +178,7 @@ COORDINATOR_CASES = [("keep-running", "hold"), ("keep-running", "capture"), ("ke
                      ("stop", "capture"), ("stop", "persist")]
 
 
+@pytest.mark.extended  # five kills and restarts, a minute; the extended tier (CI runs it after the default suite)
 def test_coordinator_killed_at_each_phase(coord: Coordinator, cryo_home: Path) -> None:
     """The coordinator SIGKILLed while node 1 is at each step, and started again on the same address: before the
     point of no return the snapshot is aborted (never valid) and the job goes on, unharmed and snapshottable;
