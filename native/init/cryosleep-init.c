@@ -1,7 +1,8 @@
 /*
  * cryosleep-init: PID 1 of a Cryosleep sandbox.
  *
- *   cryosleep-init --spawn [--mount-ns] [--net-ns --wait-fd FD] -n NPROC [-b RANK_BASE] -l LOG_DIR -- PROGRAM [ARGS...]
+ *   cryosleep-init --spawn [--mount-ns] [--net-ns --wait-fd FD] -n NPROC [-b RANK_BASE] -l LOG_DIR
+ *                  [-u UID -g GID -G GID,...|-] -- PROGRAM [ARGS...]
  *
  * With --spawn the program unshares a new PID namespace, forks the init into it and prints the init's
  * host PID on stdout before exiting, so that the init is re-parented to the caller (which must be a
@@ -25,6 +26,9 @@
  * CRYOSLEEP_KILL_GRACE_S seconds (default 10), like torchrun. It exits with the first failing worker's code
  * (128+signal for a signal), or 0 when all succeeded.
  *
+ * With -u/-g/-G each worker runs as that uid, gid and supplementary groups ("-": none), so without any
+ * capability; the init stays root (it signals and reaps them). Its log is opened before the switch.
+ *
  * It holds no file open while it waits, so a snapshot sees only the workers' own files.
  */
 #define _GNU_SOURCE
@@ -40,6 +44,7 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <grp.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -50,6 +55,13 @@ static int worker_rank[MAX_WORKERS];
 static int nworkers;
 static volatile sig_atomic_t pending_signal;
 static volatile sig_atomic_t alarm_fired;
+
+#define MAX_GROUPS 256
+static int as_user; /* -u given: the workers run as worker_uid, worker_gid, worker_groups */
+static uid_t worker_uid;
+static gid_t worker_gid;
+static gid_t worker_groups[MAX_GROUPS];
+static int nworker_groups;
 
 #define CS_SIGNAL_MARK 0x43525953 /* "CRYS": a signal the agent means (also in the interceptor's shield.c) */
 static int term_shield; /* CRYOSLEEP_TERM_SHIELD=1: a SIGTERM not queued with the mark is not forwarded */
@@ -69,7 +81,7 @@ static void die(const char *what) {
 
 static void usage(void) {
 	fprintf(stderr, "usage: cryosleep-init [--spawn [--mount-ns] [--net-ns --wait-fd FD]] -n NPROC [-b RANK_BASE] "
-			"-l LOG_DIR -- PROGRAM [ARGS...]\n");
+			"-l LOG_DIR [-u UID -g GID -G GID,...|-] -- PROGRAM [ARGS...]\n");
 	exit(2);
 }
 
@@ -143,6 +155,15 @@ static pid_t start_worker(int local_rank, int rank, const char *log_dir, char **
 		die("dup2");
 	close(null);
 	close(log);
+	if (as_user) { /* groups first: after setuid nothing more can be changed */
+		if (setgroups((size_t)nworker_groups, worker_groups) < 0 || setgid(worker_gid) < 0 ||
+		    setuid(worker_uid) < 0)
+			die("switching the worker to its user");
+		if (setuid(0) == 0) { /* a worker that could become root again would have kept its privileges */
+			fprintf(stderr, "cryosleep-init: the worker could regain root after setuid(%u)\n", worker_uid);
+			_exit(127);
+		}
+	}
 	execvp(argv[0], argv);
 	fprintf(stderr, "cryosleep-init: cannot run %s: %s\n", argv[0], strerror(errno));
 	_exit(127);
@@ -256,6 +277,20 @@ int main(int argc, char **argv) {
 			rank_base = atoi(argv[++i]);
 		else if (!strcmp(argv[i], "-l") && i + 1 < argc)
 			log_dir = argv[++i];
+		else if (!strcmp(argv[i], "-u") && i + 1 < argc) {
+			as_user = 1;
+			worker_uid = (uid_t)strtoul(argv[++i], NULL, 10);
+		} else if (!strcmp(argv[i], "-g") && i + 1 < argc)
+			worker_gid = (gid_t)strtoul(argv[++i], NULL, 10);
+		else if (!strcmp(argv[i], "-G") && i + 1 < argc) {
+			char *list = argv[++i], *end;
+			while (strcmp(list, "-") && *list && nworker_groups < MAX_GROUPS) {
+				worker_groups[nworker_groups++] = (gid_t)strtoul(list, &end, 10);
+				if (end == list || (*end && *end != ','))
+					usage();
+				list = *end ? end + 1 : end;
+			}
+		}
 		else if (!strcmp(argv[i], "--")) {
 			i++;
 			break;

@@ -90,3 +90,35 @@ def test_stage_across_filesystems(writer, tmp_path: Path) -> None:  # type: igno
         assert log.read_text() == "hello\n"
     finally:
         shutil.rmtree(dest)
+
+
+def test_a_file_of_another_user_comes_back_theirs_in_a_directory_made_theirs(tmp_path: Path) -> None:
+    """A staged file keeps its owner through the snapshot (workers of their own user, `run --user`): put back
+    as that uid and gid, in directories the restore makes for it belonging to them, 0700."""
+    top = Path(tempfile.mkdtemp(prefix="cryosleep-test-", dir="/var/tmp"))
+    try:
+        out = top / "run" / "out.log"
+        out.parent.mkdir()
+        out.write_text("theirs\n")
+        os.chown(out, 60001, 60002)
+        staged = files.stage(os.getpid(), tmp_path / "stage", extra=[str(out)], skip=[])
+        (entry,) = [s for s in staged if s.path == str(out)]
+        assert (entry.uid, entry.gid) == (60001, 60002)
+        shutil.rmtree(out.parent)
+        files.restore([entry], tmp_path / "stage")
+        st, dst = out.stat(), out.parent.stat()
+        assert out.read_text() == "theirs\n" and (st.st_uid, st.st_gid) == (60001, 60002)
+        assert (dst.st_uid, dst.st_gid, dst.st_mode & 0o777) == (60001, 60002, 0o700)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_staging_reads_no_link_put_in_a_files_place(tmp_path: Path) -> None:
+    """A link swapped in where the job's file was (its user owns the directory) is not followed: the snapshot
+    fails rather than copy, as root, what the link points to."""
+    secret = tmp_path / "root-only"
+    secret.write_text("secret")
+    link = tmp_path / "block.ctl"
+    link.symlink_to(secret)
+    with pytest.raises(OSError):
+        files.stage(os.getpid(), tmp_path / "stage", extra=[str(link)], skip=[])

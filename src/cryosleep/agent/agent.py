@@ -32,7 +32,7 @@ from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Token, underlay_towards
 from cryosleep.coordinator.embedded import EmbeddedRun
 from cryosleep.coordinator.protocol import Mode
-from cryosleep.core import oom, privileges, proctree
+from cryosleep.core import oom, privileges, proctree, users
 from cryosleep.core.interceptor import Cmd, State
 from cryosleep.core.job import ENDING_WAIT_S, EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import CaptureFailed, CryosleepError, UsageError
@@ -104,6 +104,8 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
     })
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    if (user := users.WorkerUser.from_json(spec.user)) is not None:  # as a login of that user would have them
+        env.update(user.env())
     if spec.net:  # the job network: the sandbox's only interface besides lo (docs/network.md)
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = str(spec.net.get("ifname", "eth0"))
     if spec.nproc_per_node > 1:
@@ -323,10 +325,20 @@ class Agent:
                                  "run `make setup` (or `make -C native`), or start the job with --no-interceptor")
         self.job.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.job.ctl.mkdir(mode=0o700, parents=True, exist_ok=True)
+        user = users.WorkerUser.from_json(self.spec.user)
+        if user is not None:  # the one directory the workers write: their control blocks and error files
+            self.job.open_to(self.spec)
+            user.give(self.job.ctl)
+            why = (users.unreachable(self.job.ctl, user) or users.unreachable(Path(self.spec.cwd), user, 1)
+                   or users.cannot_run(self.spec.program[0], self.spec.env.get("PATH", ""), user))
+            if why:
+                raise CryosleepError(f"the workers of job {self.spec.name!r} could not run as uid {user.uid}", why,
+                                     "run the job from a directory that user can reach, with $CRYOSLEEP_HOME on a "
+                                     "path it can search (the job's directory lets it reach only its own)")
         for r in self.spec.ranks:
             self.job.rank_log(r).unlink(missing_ok=True)
             (self.job.logs / f"rank-{r}.exit").unlink(missing_ok=True)
-            failures.error_file(self.job, r).unlink(missing_ok=True)
+            failures.error_file(self.job, self.spec, r).unlink(missing_ok=True)
         for old in self.job.ctl.glob("rank-*.ctl"):  # a previous run's blocks: never mistaken for this one's
             old.unlink()
         devmem = None
@@ -334,14 +346,14 @@ class Agent:
             devmem = self.job.devmem
             shutil.rmtree(devmem, ignore_errors=True)
             devmem.mkdir(mode=0o700)
-        env = worker_env(self.spec, self.job.ctl, devmem, failures.error_file(self.job, "{rank}"))
+        env = worker_env(self.spec, self.job.ctl, devmem, failures.error_file(self.job, self.spec, "{rank}"))
         if self.triggers is not None and self.triggers.grace_s is not None:
             env[TERM_SHIELD_ENV] = "1"  # SIGTERM is the agent's: the workers live until its stop snapshot has them
         self.runtime = runtime_facts(self.spec.program, env)
         self.state = JobState(agent_pid=os.getpid())
         self.save_state()
         cmd = [str(init), "--spawn", "--mount-ns", "-n", str(self.spec.nproc_per_node), "-b", str(self.spec.ranks[0]),
-               "-l", str(self.job.logs), "--", *self.spec.program]
+               "-l", str(self.job.logs), *(user.init_args() if user else []), "--", *self.spec.program]
         go_r, go_w = os.pipe() if self.spec.net else (-1, -1)  # the job network: init waits until it is set up
         if self.spec.net:
             cmd[2:2] = ["--net-ns", "--wait-fd", str(go_r)]
@@ -667,7 +679,8 @@ class Agent:
         """A snapshot (or a rehearsal) of this job. One node: the coordinator's sequence embedded here, run
         in-process against this node's operations (coordinator/embedded.py); a node of many: the coordinator's."""
         rehearse = bool(req.get("rehearse", False))
-        privileges.require(privileges.SNAPSHOT, f"a snapshot of job {self.spec.name!r}", whose="its agent")
+        privileges.require(privileges.for_job(privileges.SNAPSHOT, self.spec.user), f"a snapshot of job "
+                           f"{self.spec.name!r}", whose="its agent")
         if self.coordinator is not None and not rehearse:
             return self._coordinated_snapshot(req, send)
         stop = bool(req.get("stop", False))

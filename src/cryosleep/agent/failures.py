@@ -10,6 +10,7 @@ agent reads it. The summary is torchrun's ``ChildFailedError`` message, made fro
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import time
@@ -18,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from cryosleep.core import users
 from cryosleep.core.job import JobDir, JobSpec
 
 NOT_AVAILABLE = "<N/A>"
@@ -25,9 +27,20 @@ NOT_AVAILABLE = "<N/A>"
 _ENDED = {f"signal {int(signal.SIGTERM)}", f"signal {int(signal.SIGKILL)}"}
 
 
-def error_file(job: JobDir, rank: int | str) -> Path:
+def error_file(job: JobDir, spec: JobSpec, rank: int | str) -> Path:
     """Rank ``rank``'s error file (``"{rank}"``: the pattern cryosleep-init fills in for each worker)."""
-    return job.error_file(rank)
+    return job.error_file(rank, own_user=bool(spec.user))
+
+
+ERROR_FILE_LIMIT = 1 << 20  # an error report larger than this is not read (a worker wrote it: its size is theirs)
+
+
+def _read_report(path: Path) -> str:
+    """The error file's text, read without following a link and only when the worker's user (its directory's
+    owner) wrote it: a root agent never reads another file on a worker's behalf (core/users.py)."""
+    fd = users.open_owned(path)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(ERROR_FILE_LIMIT).decode(errors="replace")
 
 
 @dataclass(frozen=True)
@@ -65,12 +78,12 @@ def failures(job: JobDir, spec: JobSpec) -> list[Failure]:
         code = _exitcode(status)
         if not code:
             continue
-        path = error_file(job, rank)
+        path = error_file(job, spec, rank)
         message: str | dict[str, Any] = ""
         stamp = int(path.stat().st_mtime) if path.exists() else int(time.time())
         where = NOT_AVAILABLE
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(_read_report(path))
             message = data["message"]
             stamp = int(data.get("timestamp", 0) if isinstance(message, str) else message["extraInfo"]["timestamp"])
             where = str(path)

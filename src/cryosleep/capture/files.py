@@ -170,20 +170,28 @@ def stage(root_pid: int, dest: Path, copy_limit: int = DEFAULT_COPY_LIMIT,
         if path not in found and os.path.isfile(path):
             found.append(path)
     for i, path in enumerate(found):
-        st = os.stat(path)
-        size = st.st_size
-        tail_len = min(TAIL, size)
-        tail = _hash_range(path, size - tail_len, size)
-        staged: str | None = None
-        digest: str | None = None
-        if size <= copy_limit:
-            name = f"{i:04d}"
-            with open(path, "rb") as src, open(dest / name, "wb") as dst:
-                copy_prefix(src.fileno(), dst.fileno(), size)
-            digest = _hash_range(str(dest / name), 0, size)
-            staged = name
+        # the file itself, not a link put in its place (the job's user may own its directory): what is read here
+        # is what the snapshot says the job had, as root reads it
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"{path} is no longer a regular file")
+            size = st.st_size
+            tail_len = min(TAIL, size)
+            tail = _hash_range(f"/proc/self/fd/{fd}", size - tail_len, size)
+            staged: str | None = None
+            digest: str | None = None
+            if size <= copy_limit:
+                name = f"{i:04d}"
+                with open(dest / name, "wb") as dst:
+                    copy_prefix(fd, dst.fileno(), size)
+                digest = _hash_range(str(dest / name), 0, size)
+                staged = name
+        finally:
+            os.close(fd)
         out.append(StagedFile(path=path, size=size, mode=stat.S_IMODE(st.st_mode), staged=staged,
-                              sha256=digest, tail_sha256=tail, tail_len=tail_len))
+                              sha256=digest, tail_sha256=tail, tail_len=tail_len, uid=st.st_uid, gid=st.st_gid))
     (dest / STAGED_INDEX).write_text(json.dumps([s.__dict__ for s in out], indent=1))
     return out
 
@@ -288,10 +296,11 @@ NO_LINKS = ("a component of its path is a symbolic link or not a directory: a re
             "manifest did not sign")
 
 
-def open_dir(path: str, *, create: bool = False, mode: int = 0o777) -> int:
+def open_dir(path: str, *, create: bool = False, mode: int = 0o777, owner: tuple[int, int] = (0, 0)) -> int:
     """An fd of the directory ``path`` (absolute), reached one component at a time from ``/`` (openat with
     O_NOFOLLOW), so no symbolic link is followed, and none swapped in between a check and a write can redirect
-    it; missing directories are made (``create``, with ``mode``). OSError (ELOOP, ENOTDIR) at a link."""
+    it; missing directories are made (``create``, with ``mode``, belonging to ``owner``: uid, gid). OSError
+    (ELOOP, ENOTDIR) at a link."""
     fd = os.open("/", _DIR)
     try:
         for part in (p for p in path.split("/") if p):
@@ -302,9 +311,12 @@ def open_dir(path: str, *, create: bool = False, mode: int = 0o777) -> int:
                     raise
                 try:
                     os.mkdir(part, mode, dir_fd=fd)
+                    made = True
                 except FileExistsError:  # made meanwhile (another node of the job restoring here)
-                    pass
+                    made = False
                 nfd = os.open(part, _DIR, dir_fd=fd)
+                if made and owner != (0, 0):
+                    os.fchown(nfd, *owner)
             os.close(fd)
             fd = nfd
         return fd
@@ -377,7 +389,7 @@ def restore(staged: list[StagedFile], files_dir: Path) -> None:
         tmp = f"{name}.cryosleep-restore-{os.getpid()}"
         dfd = -1
         try:
-            dfd = open_dir(parent, create=True)
+            dfd = open_dir(parent, create=True, mode=0o700 if s.uid else 0o777, owner=(s.uid, s.gid))
             if s.staged is None:
                 fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
                 try:
@@ -394,6 +406,7 @@ def restore(staged: list[StagedFile], files_dir: Path) -> None:
                              dir_fd=dfd)
                 try:
                     copy_prefix(src.fileno(), fd, s.size)
+                    os.fchown(fd, s.uid, s.gid)  # its owner at the snapshot (signed with the manifest)
                     os.fchmod(fd, s.mode & 0o1777)  # never set-user or set-group id
                 finally:
                     os.close(fd)

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 from cryosleep import paths
 from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_install, cuda, files, imagecheck, netlock, outbound
-from cryosleep.core import proctree
+from cryosleep.core import privileges, proctree
 from cryosleep.core.interceptor import Cmd, ControlBlock, State
 from cryosleep.core.job import ENDING_WAIT_S, JobDir, JobSpec
 from cryosleep.core.undo import UndoLog
@@ -251,6 +251,10 @@ class RestoreRun:
         if self.node.gpu.get("gpus"):
             self.pairs = gpu_pairs(self.node.gpu["gpus"], cuda.driver().gpus(), self.req.gpu_map)
         problems = compat_problems(self.manifest, self.criu)
+        lacking = privileges.missing(privileges.for_job(frozenset(), self.spec.user))
+        if lacking:  # CRIU could restore it, but no snapshot of it could be taken here
+            problems.append(f"its workers run as a user of their own, which needs {', '.join(lacking)} "
+                            "(docs/security.md)")
         problems += files.plan_restore(self.node.staged, self.node_dir / "files")
         problems += files.check_expected(self.node.expected)
         if problems:
@@ -268,7 +272,7 @@ class RestoreRun:
             self.undo.push("let go of the job's lock", lambda _e: os.close(fd))
         netlock.undo_dead_dump(self.job, self.log)
         for r in self.spec.ranks:  # a later run's error reports: never read as the restored job's
-            self.job.error_file(r).unlink(missing_ok=True)
+            self.job.error_file(r, own_user=bool(self.spec.user)).unlink(missing_ok=True)
         refuse_under_lock(self.spec, self.criu)
 
     def _barrier(self) -> None:

@@ -32,7 +32,7 @@ from cryosleep.cli.transfer import (
 from cryosleep.cli.triggers import add_trigger_args, trigger_config
 from cryosleep.coordinator import client as coord_client
 from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
-from cryosleep.core import privileges
+from cryosleep.core import privileges, users
 from cryosleep.core.job import EXIT_SUSPENDED, JobDir, JobSpec, check_name, fast_path_for, gpu_machine
 from cryosleep.errors import CryosleepError, NotEligible, UsageError, from_json
 from cryosleep.net import plan as net_plan
@@ -76,6 +76,9 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fp.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                     help="the plain path: the CUDA driver's checkpoint copies all device memory (the default today; "
                     "kept once the fast path becomes the default for GPU jobs)")
+    p.add_argument("--user", default=None, metavar="USER[:GROUP]",
+                   help="run the workers as this user (its groups, no capabilities) instead of root: two jobs of "
+                   "different users on one host cannot read or signal each other (docs/security.md)")
     p.add_argument("--net", choices=["host", "job"], default="host",
                    help="job: the sandbox gets its own network namespace and a job-private address that moves with "
                    "its snapshots, so TCP between ranks survives a restore elsewhere; needed for --nnodes > 1 "
@@ -163,6 +166,17 @@ def build_spec(a: argparse.Namespace) -> JobSpec:
         net, master_addr = jn.to_json(), net_plan.node_address(jn.subnet, 0)
     if launch.nnodes > 1:  # each node of the job is its own job on its host: NAME.node<I> (docs/network.md)
         name = check_name(f"{name}.node{launch.node_rank}")
+    user = users.WorkerUser.resolve(a.user) if a.user else None
+    fast_path = fast_path_for(a.fast_path, gpu_machine())[0]
+    if user is not None and user.uid == 0:
+        user = None  # root: the default
+    if user is not None and fast_path:
+        raise UsageError("--user with the fast path is not supported yet",
+                         "the fast path's staging files are read and written by the agent at paths a worker "
+                         "reports, which it does not yet check against a worker of another user",
+                         "drop --fast-path (the CUDA driver's checkpoint copies device memory), or --user")
+    if user is not None:  # a job that could not be snapshotted is refused before it starts
+        privileges.require(privileges.OWN_USER, "a job whose workers run as another user (--user)")
     env = dict(os.environ)
     if launch.shutdown_timeout is not None:  # the sandbox's init: SIGTERM, then SIGKILL after this
         env["CRYOSLEEP_KILL_GRACE_S"] = str(launch.shutdown_timeout)
@@ -170,7 +184,7 @@ def build_spec(a: argparse.Namespace) -> JobSpec:
         name=name, program=launch.program, cwd=os.getcwd(), env=env,
         nproc_per_node=launch.nproc_per_node, nnodes=launch.nnodes, node_rank=launch.node_rank,
         master_addr=master_addr, master_port=launch.master_port or free_port(), run_id=launch.run_id,
-        interceptor=not a.no_interceptor, fast_path=fast_path_for(a.fast_path, gpu_machine())[0], net=net,
+        interceptor=not a.no_interceptor, fast_path=fast_path, net=net, user=user.to_json() if user else {},
         outbound=outbound.Policy.parse(a.outbound_reset, a.outbound_keep, a.outbound_drain).to_json(),
         rdzv_id=launch.rdzv_id, role=launch.role, local_ranks_filter=launch.local_ranks_filter,
         signals_to_handle=launch.signals_to_handle,
@@ -192,7 +206,7 @@ def _detached(log: Path, start: Callable[[Agent | None], Agent], describe: Calla
         if os.fork() > 0:
             os._exit(0)
         log.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(fd, 1)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryosleep.core import users
 from cryosleep.errors import InterceptorError
 
 __all__ = [
@@ -289,8 +290,8 @@ class ControlBlock:
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:  # the worker's own file only (workers of their own user write in a directory of theirs)
+            fd = users.open_owned(self.path, os.O_RDWR)
         except OSError as e:
             raise InterceptorError(f"cannot open the NCCL control block {self.path}", e.strerror or str(e),
                                    "check that the job runs under `cryosleep run` and that its job directory "

@@ -114,6 +114,9 @@ class JobSpec:
     role: str = "default"
     local_ranks_filter: list[int] = field(default_factory=list)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    # The user the workers run as (`cryosleep run --user`; cryosleep.core.users.WorkerUser as JSON: uid, gid,
+    # groups, name, home); empty: root, the default
+    user: dict[str, Any] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -184,9 +187,10 @@ class JobDir:
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"
 
-    def error_file(self, rank: int | str) -> Path:
-        """Rank ``rank``'s error file (``"{rank}"``: the pattern cryosleep-init fills in for each worker)."""
-        return self.logs / f"rank-{rank}.error.json"
+    def error_file(self, rank: int | str, own_user: bool = False) -> Path:
+        """Rank ``rank``'s error file (``"{rank}"``: the pattern cryosleep-init fills in for each worker); in the
+        control directory for workers of their own user (``own_user``): the only one they may write."""
+        return (self.ctl if own_user else self.logs) / f"rank-{rank}.error.json"
 
     @property
     def ctl(self) -> Path:
@@ -209,16 +213,27 @@ class JobDir:
 
     def write(self, spec: JobSpec, st: JobState) -> None:
         """Owner-only (the directory 0700, the record 0600): another job's processes, another user, read nothing
-        of it (its spec has the job's environment) and reach neither its socket nor its control blocks."""
+        of it (its spec has the job's environment) and reach neither its socket nor its control blocks. A job
+        whose workers run as a user of their own (``spec.user``): 0710 and of that user's group, so that they
+        (and no other user outside that group) reach the control directory they were given (``ctl``); every
+        file in it is root's and 0600 but that directory."""
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.path.stat().st_mode & 0o077:
-            os.chmod(self.path, 0o700)
+        self.open_to(spec)
         tmp = self.spec_file.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         os.fchmod(fd, 0o600)  # a temporary file left by an older version keeps its mode through O_TRUNC
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps({"spec": spec.to_json(), "state": st.to_json()}, indent=2))
         os.replace(tmp, self.spec_file)
+
+    def open_to(self, spec: JobSpec) -> None:
+        """The job directory's mode and group for ``spec`` (``write``)."""
+        mode, gid = (0o710, int(spec.user["gid"])) if spec.user else (0o700, 0)
+        st = self.path.stat()
+        if st.st_gid != gid:
+            os.chown(self.path, -1, gid)
+        if st.st_mode & 0o777 != mode:
+            os.chmod(self.path, mode)
 
     def record(self) -> tuple[JobSpec, JobState]:
         """The spec and the state as last written, without judging whether its agent still lives (``read``)."""
@@ -256,7 +271,7 @@ class JobDir:
     def try_lock(self) -> int | None:
         """The job's lock if nobody holds it (never waits): its fd, else None. A lock file that is a symbolic link
         is not followed (OSError)."""
-        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -297,7 +312,7 @@ class JobDir:
         while True:
             self.path.mkdir(parents=True, exist_ok=True)
             try:
-                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except FileNotFoundError:  # `jobs rm` moved the directory away meanwhile: a fresh one
                 continue
             try:

@@ -15,6 +15,8 @@ CAP_SYS_TIME         (restore) CRIU sets the restored time namespace's clock off
 CAP_SYS_CHROOT       (restore) CRIU enters the restored mount namespace and comes back (setns)
 CAP_SETPCAP          (restore) CRIU restores each task's bounding set (without it CRIU's restorer hits a BUG and
                      the restore hangs: the up-front refusal matters)
+CAP_SYS_RESOURCE     (workers of their own user, ``run --user``) CRIU reads each task's resource limits, which
+                     the kernel allows for a task of another uid only with it (without: "Can't get rlimit")
 ==================== ======================================================================================
 
 Not needed (each dropped alone, the cycle still passed): CAP_CHECKPOINT_RESTORE, CAP_KILL, CAP_DAC_OVERRIDE,
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from cryosleep.errors import NotEligible
 
-__all__ = ["NAMES", "RESTORE", "SNAPSHOT", "effective", "missing", "require"]
+__all__ = ["NAMES", "OWN_USER", "RESTORE", "SNAPSHOT", "effective", "for_job", "missing", "require"]
 
 NAMES = ("chown", "dac_override", "dac_read_search", "fowner", "fsetid", "kill", "setgid", "setuid", "setpcap",
          "linux_immutable", "net_bind_service", "net_broadcast", "net_admin", "net_raw", "ipc_lock", "ipc_owner",
@@ -45,6 +47,16 @@ RESTORE: frozenset[str] = SNAPSHOT | {"sys_time", "sys_chroot", "setpcap"}
 """What a restore (``cryosleep restore``, and the host daemon that starts restores) needs: the agent's set (the
 restored job is run and snapshotted by the same agent), CRIU's time namespace offsets, its return to its own mount
 namespace, and the restored tasks' bounding sets."""
+
+
+OWN_USER: frozenset[str] = frozenset({"sys_resource"})
+"""What a job whose workers run as a user of their own (``cryosleep run --user``) needs besides: CRIU reads the
+resource limits of tasks of another uid."""
+
+
+def for_job(base: frozenset[str], spec_user: dict[str, object]) -> frozenset[str]:
+    """``base`` (SNAPSHOT, RESTORE) for a job whose spec's ``user`` is ``spec_user``."""
+    return base | OWN_USER if spec_user else base
 
 
 def effective(pid: int | str = "self") -> frozenset[str]:

@@ -103,6 +103,8 @@ class StagedFile:
     sha256: str | None = None
     tail_sha256: str | None = None
     tail_len: int = 0
+    uid: int = 0  # its owner, put back with it (the job's workers may run as a user of their own)
+    gid: int = 0
 
 
 @dataclass

@@ -33,7 +33,7 @@ def append(path: Path, record: dict[str, Any]) -> None:
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     with _lock:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             os.write(fd, line)
         finally:
