@@ -122,6 +122,12 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="SNAPSHOT is a coordinator's snapshot of a multi-node job: restore node I on the I-th host "
                    "named, each running `cryosleep host serve` (one command for the whole job; the overlay peers "
                    "come from the hosts); auto: the coordinator picks live, free hosts with each node's GPUs")
+    r.add_argument("--wait", action="store_true",
+                   help="with --nodes auto: if no free hosts fit now, queue the restore at the coordinator and wait; "
+                   "it is restored on its own once host daemons with its nodes' GPUs are free (the entry stays "
+                   "queued if this command is stopped: `cryosleep coordinator queue`)")
+    r.add_argument("--priority", type=int, default=0,
+                   help="with --wait: queued restores are served higher priority first, then oldest first")
     add_coordinator_args(r, "with --node-rank or --nodes: the coordinator that took the snapshot "
                          f"(default ${coord_client.ENV_URL})")
     r.add_argument("--detach", action="store_true")
