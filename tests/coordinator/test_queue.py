@@ -153,6 +153,7 @@ def test_a_drained_host_without_a_spare_ends_its_job_suspended_and_queued(env: E
     assert c.job("sim")["state"] == "suspended"
     drains = [ev["message"] for ev in env.coordinator.catalog.events(job="sim") if ev["kind"] == "drain"]
     assert any("suspend-and-queue: node(s) 1 of 2" in m for m in drains) and any("queued" in m for m in drains)
+    assert {ev["kind"] for ev in env.coordinator.catalog.events(snapshot=d["snapshot"])} >= {"drain", "queue"}
     with pytest.raises(NotEligible, match="is drained"):
         c.place(d["snapshot"], ["sim-0", "sim-1"])
     assert [h["drained"] is not None for h in c.hosts()] == [False, True]
@@ -178,3 +179,28 @@ def test_a_drain_with_a_spare_says_so_and_the_cli_prints_every_decision(
     assert "job sim (node(s) 0): suspend-and-queue: queued" in out
     assert "host(s) spare are free with those nodes' GPUs" in out and "live migration" in out
     assert c.drain("nowhere", deadline_s=5)["jobs"] == []  # a host with no job: drained, nothing moved
+
+
+def test_a_multi_node_launch_line_of_a_suspended_job_queues_its_snapshot(
+        env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run --nnodes 2 --coordinator URL` again (a requeued batch script): the coordinator's suspended snapshot of
+    the job is queued (once, for every node's launch line), another command of it refused, --fresh starts anew."""
+    from cryosleep.cli import resuming
+    from cryosleep.core.job import JobSpec
+
+    monkeypatch.setenv("CRYOSLEEP_HOME", str(tmp_path / "home"))
+    _, s = suspended(env)
+    c = env.client()
+    spec = JobSpec(name="sim.node1", program=["python", "train.py"], cwd="/", env={}, nproc_per_node=1, nnodes=2,
+                   node_rank=1)
+    assert resuming.at_coordinator(spec, c, fresh=True, quiet=True) is None
+    assert resuming.at_coordinator(spec, c, fresh=False, quiet=True) == s["id"]
+    other = JobSpec(**{**spec.__dict__, "nproc_per_node": 4})
+    with pytest.raises(NotEligible, match=f"suspended in snapshot {s['id']}") as e:
+        resuming.at_coordinator(other, c, fresh=False, quiet=True)
+    assert "nproc_per_node: 1 there, 4 here" in e.value.why
+    assert resuming.at_coordinator(JobSpec(**{**spec.__dict__, "name": "new.node0", "node_rank": 0}), c, fresh=False,
+                                   quiet=True) is None  # a job the coordinator does not know: started anew
+    assert c.enqueue(s["id"])["id"] == c.enqueue(s["id"])["id"]  # node 0's and node 1's launch lines: one entry
+    log = (tmp_path / "home" / "jobs" / "sim.node1" / "decisions.jsonl").read_text()
+    assert '"action": "restore"' in log and '"action": "fresh"' in log and '"action": "refuse"' in log

@@ -221,7 +221,7 @@ def place_snapshot(a: argparse.Namespace) -> int:
     link = client.CoordinatorClient(url, token)
     show = not a.json
     try:
-        st = queued(link, a, show) if wait else link.place(a.snapshot, hosts, a.timeout)
+        st = queued(link, a.snapshot, a.priority, a.timeout, show) if wait else link.place(a.snapshot, hosts, a.timeout)
         if show and not wait:
             on = ", ".join(str(n["host"]) for n in st["nodes"])
             sys.stderr.write(f"cryosleep: placing {a.snapshot} on {on} (placement {st['id']})\n")
@@ -229,10 +229,15 @@ def place_snapshot(a: argparse.Namespace) -> int:
             st = follow(link, st, a.snapshot, a.timeout, show)
     finally:
         link.close()
-    out = {"snapshot": a.snapshot, "placement": st["id"], "state": st["state"],
+    return placed(a.snapshot, st, a.json)
+
+
+def placed(snapshot: str, st: dict[str, Any], as_json: bool) -> int:
+    """A placement's outcome, each node's, printed; 0 when every node is restored."""
+    out = {"snapshot": snapshot, "placement": st["id"], "state": st["state"],
            "nodes": [{k: n.get(k) for k in ("node_rank", "host", "state", "peers", "result", "error")}
                      for n in st["nodes"]]}
-    if a.json:
+    if as_json:
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         for n in st["nodes"]:
@@ -267,12 +272,13 @@ def follow(link: client.CoordinatorClient, st: dict[str, Any], snapshot: str, ti
             time.sleep(1.0)
 
 
-def queued(link: client.CoordinatorClient, a: argparse.Namespace, show: bool) -> dict[str, Any]:
+def queued(link: client.CoordinatorClient, snapshot: str, priority: int, timeout: float,
+           show: bool) -> dict[str, Any]:
     """``--nodes auto --wait``: the snapshot queued, its entry read back until a placement of it ended done, or
     the entry failed; returns the last placement's state."""
-    e = link.enqueue(a.snapshot, priority=a.priority, timeout_s=a.timeout)
+    e = link.enqueue(snapshot, priority=priority, timeout_s=timeout)
     if show:
-        sys.stderr.write(f"cryosleep: {a.snapshot} queued for free hosts (entry {e['id']}, priority {e['priority']}, "
+        sys.stderr.write(f"cryosleep: {snapshot} queued for free hosts (entry {e['id']}, priority {e['priority']}, "
                          f"position {e['position']}); it stays queued if this command is stopped\n")
     said, last = "", None
     while True:
@@ -280,7 +286,7 @@ def queued(link: client.CoordinatorClient, a: argparse.Namespace, show: bool) ->
             said = e["reason"]
             sys.stderr.write(f"  {e['state']}: {said}\n")
         if e["state"] == "placing" and e["placement"]:
-            last = follow(link, link.placement(e["placement"]), a.snapshot, a.timeout, show)
+            last = follow(link, link.placement(e["placement"]), snapshot, timeout, show)
             if last["state"] == "done":
                 return last
         if e["state"] in ("done", "failed", "cancelled"):
@@ -288,10 +294,10 @@ def queued(link: client.CoordinatorClient, a: argparse.Namespace, show: bool) ->
                 last = link.placement(e["placement"])
             if last is not None and e["state"] == "done":
                 return last
-            raise CryosleepError(f"the queued restore of {a.snapshot} ended {e['state']}", e["reason"],
+            raise CryosleepError(f"the queued restore of {snapshot} ended {e['state']}", e["reason"],
                                  "see `cryosleep coordinator queue` and the hosts' daemons' logs")
         try:
-            e = link.queued(a.snapshot, wait_s=20.0, seen=e["version"])
+            e = link.queued(snapshot, wait_s=20.0, seen=e["version"])
         except Unreachable as down:
             sys.stderr.write(f"cryosleep: the coordinator does not answer ({down.why}); trying again\n")
             time.sleep(1.0)

@@ -18,7 +18,7 @@ from cryosleep.agent.coordinated import RestoreRendezvous
 from cryosleep.capture import outbound
 from cryosleep.capture.restore import Request, RestoreRun
 from cryosleep.cli import launch_args, resuming
-from cryosleep.cli.host_cmd import place_snapshot
+from cryosleep.cli.host_cmd import place_snapshot, placed, queued
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, seconds_arg
 from cryosleep.cli.transfer import (
     TransferPrinter,
@@ -276,6 +276,14 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise UsageError("--fresh and --resume latest contradict each other", "one starts anew, one resumes",
                          "give one of them")
     lock_fd, claim = -1, None
+    if spec.nnodes > 1 and coordinator is not None:  # a suspended job comes back through the coordinator's queue
+        link = CoordinatorClient(*coordinator)
+        try:
+            sid = resuming.at_coordinator(spec, link, fresh=a.fresh, quiet=a.json)
+            if sid is not None:
+                return placed(sid, queued(link, sid, 0, 600.0, not a.json), a.json)
+        finally:
+            link.close()
     if spec.nnodes == 1:  # decided under the job's lock: two launches of one job never both run it
         become_subreaper()
         lock_fd = take_job_lock(job, lambda m: sys.stderr.write(f"cryosleep: {m}\n"))

@@ -215,7 +215,7 @@ class Coordinator:
             state = "incomplete" if len(nodes) < job["nnodes"] else "lost"
         return {"job": name, "nnodes": job["nnodes"], "state": state, "last_snapshot": job["last_snapshot"],
                 "snapshot_in_progress": run.sid if run else None, "nodes": nodes,
-                "ranks": sum(len(n["ranks"]) for n in nodes), "created_at": job["created_at"]}
+                "ranks": sum(len(n["ranks"]) for n in nodes), "created_at": job["created_at"], "spec": job["spec"]}
 
     def jobs(self) -> list[dict[str, Any]]:
         return [self.job_status(j["name"]) for j in self.catalog.jobs()]
@@ -362,13 +362,15 @@ class Coordinator:
                 spare, no_spare = [], e.why
             d = drain_rules.decide(job, host, nodes, int(row["nnodes"]), spare, no_spare)
             decisions.append(d)
-            self.catalog.event("drain", f"host {host}: {d.action}: " + "; ".join(d.reasons), job=job)
-            self.log(f"drain: host {host}: job {job}: {d.action}: " + "; ".join(d.reasons))
             try:
                 s = self.trigger(job, "stop", deadline, request_id=f"drain-{host}-{time.time():.0f}")
                 d.snapshot = str(s["id"])
             except CryosleepError as e:
                 d.outcome, d.error = "failed", e.to_json()
+            # shown with the snapshot's events too (`coordinator show SNAPSHOT`)
+            self.catalog.event("drain", f"host {host}: {d.action}: " + "; ".join(d.reasons), job=job,
+                               snapshot=d.snapshot or None)
+            self.log(f"drain: host {host}: job {job}: {d.action}: " + "; ".join(d.reasons))
         for d in decisions:
             if not d.snapshot:
                 continue
