@@ -13,7 +13,7 @@ import pytest
 
 from cryosleep.cli.main import main
 from cryosleep.coordinator.client import CoordinatorClient
-from cryosleep.coordinator.queue import Entry, after_placement, ordered
+from cryosleep.coordinator.queue import Entry, after_placement, gist, ordered
 from cryosleep.errors import NotEligible
 from tests.coordinator.helpers import Env, serving, wait_for
 from tests.coordinator.sim import SimCluster
@@ -36,7 +36,10 @@ def entry(c: CoordinatorClient, sid: str, pred: Any, what: str) -> dict[str, Any
         got[:] = [c.queued(sid)]
         return bool(pred(got[0]))
 
-    wait_for(ok, 15, what)
+    try:
+        wait_for(ok, 30, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the entry: {got[0] if got else None}") from None
     return got[0]
 
 
@@ -60,6 +63,9 @@ def test_the_order_rules_are_priority_then_age_and_a_failed_placement_is_retried
     state, reason, n = after_placement(es[0], "failed", nodes, max_attempts=2)
     assert (state, n) == ("failed", 2) and reason.startswith("2 placements failed")
     assert after_placement(es[0], "done", nodes)[:2] == ("done", "restored: node 0 on a, node 1 on b")
+    # time passing is no new reason (no event a second): only a change in substance is
+    assert gist("host a has not polled for 75 s") == gist("host a has not polled for 80 s")
+    assert gist("host a has not polled for 75 s") != gist("host b has not polled for 75 s")
 
 
 def test_a_queued_restore_says_why_it_waits_and_is_placed_once_enough_hosts_poll(
@@ -134,7 +140,7 @@ def test_the_queue_and_the_drained_hosts_survive_a_restart_in_order(tmp_path: Pa
         e = entry(c, first["new"], lambda x: "is drained (maintenance)" in x["reason"], "the drained host's reason")
         assert e["state"] == "waiting"
         c.host_poll("fresh", {}, 0)
-        wait_for(lambda: c.queued(first["new"])["state"] == "placing", 15, "the first entry placed on the fresh host")
+        entry(c, first["new"], lambda x: x["state"] == "placing", "the first entry placed on the fresh host")
         assert c.queued(first["old"])["state"] == "waiting"
 
 

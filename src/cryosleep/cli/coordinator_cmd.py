@@ -243,9 +243,9 @@ def cmd_hosts(a: argparse.Namespace) -> int:
     if _answered(a, hosts):
         return 0
     rows = [[h["name"], h["facts"].get("hostname", "-"), h["facts"].get("underlay", "-"),
-             len(h["facts"].get("gpus") or ()), "yes" if h["available"] else "no", f"{h['seen_s']:.1f} s", h["orders"]]
-            for h in hosts]
-    print(table(["host", "hostname", "underlay", "gpus", "available", "last poll", "orders"], rows))
+             len(h["facts"].get("gpus") or ()), "yes" if h["available"] else "no", f"{h['seen_s']:.1f} s", h["orders"],
+             h.get("drained") or "-"] for h in hosts]
+    print(table(["host", "hostname", "underlay", "gpus", "available", "last poll", "orders", "drained"], rows))
     return 0
 
 

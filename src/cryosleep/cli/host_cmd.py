@@ -282,9 +282,9 @@ def queued(link: client.CoordinatorClient, snapshot: str, priority: int, timeout
                          f"position {e['position']}); it stays queued if this command is stopped\n")
     said, last = "", None
     while True:
-        if show and e["reason"] != said:
-            said = e["reason"]
-            sys.stderr.write(f"  {e['state']}: {said}\n")
+        if show and e["version"] != said:
+            said = e["version"]
+            sys.stderr.write(f"  {e['state']}: {e['reason']}\n")
         if e["state"] == "placing" and e["placement"]:
             last = follow(link, link.placement(e["placement"]), snapshot, timeout, show)
             if last["state"] == "done":

@@ -15,7 +15,7 @@ from cryosleep.agent import resume
 from cryosleep.agent.coordinated import job_name
 from cryosleep.coordinator.client import CoordinatorClient
 from cryosleep.core.job import JobDir, JobSpec
-from cryosleep.errors import Busy, Conflict, NotEligible, NotFound
+from cryosleep.errors import Busy, Conflict, Forbidden, NotEligible, NotFound, Unreachable
 from cryosleep.store import persist
 from cryosleep.store.local import LocalStore
 from cryosleep.triggers import decisions
@@ -164,6 +164,17 @@ def at_coordinator(spec: JobSpec, link: CoordinatorClient, *, fresh: bool, quiet
         row = link.job(job)
     except NotFound:
         return None
+    except Forbidden as e:  # a bootstrap credential registers agents and reads no job: nothing to resume by
+        if not quiet:
+            sys.stderr.write(f"cryosleep: job {spec.name}: starting anew: the coordinator's credential cannot read "
+                             f"job {job} ({e.why}), so a suspended snapshot of it is not looked for\n")
+        return None
+    except Unreachable as e:
+        if fresh:
+            return None
+        raise Unreachable(f"job {spec.name} is not started: the coordinator cannot say whether it is suspended",
+                          f"{e.what} ({e.why})", "start the coordinator (or check --coordinator), then launch again; "
+                          "`--fresh` starts the job anew without asking") from e
     if row.get("state") != "suspended" or not row.get("last_snapshot"):
         return None
     sid = str(row["last_snapshot"])

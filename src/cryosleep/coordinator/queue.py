@@ -21,6 +21,7 @@ are on the wall clock (an entry's age is its age, whoever serves).
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
@@ -59,7 +60,12 @@ class Entry:
 
     @property
     def version(self) -> str:
-        return f"{self.state}|{self.placement}|{self.attempts}|{self.reason}"
+        return f"{self.state}|{self.placement}|{self.attempts}|{gist(self.reason)}"
+
+
+def gist(reason: str) -> str:
+    """A reason without its counts of seconds ("has not polled for 75 s"): what tells a change from time passing."""
+    return re.sub(r"\d+(\.\d+)? s\b", "N s", reason)
 
 
 def ordered(entries: Iterable[Entry]) -> list[Entry]:
@@ -116,7 +122,7 @@ class RestoreQueue:
 
     def _set(self, e: Entry, state: str, reason: str, **kw: Any) -> None:
         """Under the lock: the entry's new state and reason, written through and logged when they changed."""
-        changed = (state, reason) != (e.state, e.reason)
+        changed = (state, gist(reason)) != (e.state, gist(e.reason))
         e.state, e.reason = state, reason
         for k, v in kw.items():
             setattr(e, k, v)
@@ -196,19 +202,24 @@ class RestoreQueue:
     # ---- the queue's thread ----------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One pass over the open entries, in order: a placement's end taken, waiting ones placed if they fit."""
-        with self.cond:
-            entries = ordered(e for e in self.entries.values() if e.state in OPEN)
-            self._expire()
-        for e in entries:
-            try:
-                self._serve(e)
-            except CryosleepError as x:  # the catalog unreachable, a snapshot gone: said, tried again
-                with self.cond:
-                    if e.state == "waiting":
-                        self._set(e, "waiting", f"{x.what} ({x.why})")
+        """One pass over the open entries, in order: a placement's end taken, waiting ones placed if they fit. The
+        pass holds the placements' lock, so that the hosts do not change under it (a host that polls for the first
+        time, an order reported done): a host that frees up mid-pass would go to a later entry that the earlier
+        ones never saw it for."""
+        with self.placements.cond:  # (an RLock: place and status take it again)
+            with self.cond:
+                entries = ordered(e for e in self.entries.values() if e.state in OPEN)
+                self._expire()
+            busy = self.busy() if any(e.state == "waiting" for e in entries) else {}
+            for e in entries:
+                try:
+                    self._serve(e, busy)
+                except CryosleepError as x:  # the catalog unreachable, a snapshot gone: said, tried again
+                    with self.cond:
+                        if e.state == "waiting":
+                            self._set(e, "waiting", f"{x.what} ({x.why})")
 
-    def _serve(self, e: Entry) -> None:
+    def _serve(self, e: Entry, busy: Mapping[str, str]) -> None:
         if e.state == "placing":
             try:
                 st = self.placements.status(e.placement)
@@ -237,7 +248,7 @@ class RestoreQueue:
                     self._set(e, "waiting", why)
             return
         try:
-            st = self.placements.place(row, ["auto"], e.timeout_s, busy=self.busy())
+            st = self.placements.place(row, ["auto"], e.timeout_s, busy=busy)
         except NotEligible as x:
             with self.cond:
                 self._set(e, "waiting", x.why)
