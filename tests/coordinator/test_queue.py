@@ -5,15 +5,19 @@ daemons: tests/jobs/test_capacity.py."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cryosleep.cli import resuming
 from cryosleep.cli.main import main
 from cryosleep.coordinator.client import CoordinatorClient
 from cryosleep.coordinator.queue import Entry, after_placement, gist, ordered
+from cryosleep.core.job import JobSpec
 from cryosleep.errors import NotEligible
 from tests.coordinator.helpers import Env, serving, wait_for
 from tests.coordinator.sim import SimCluster
@@ -191,9 +195,6 @@ def test_a_multi_node_launch_line_of_a_suspended_job_queues_its_snapshot(
         env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`run --nnodes 2 --coordinator URL` again (a requeued batch script): the coordinator's suspended snapshot of
     the job is queued (once, for every node's launch line), another command of it refused, --fresh starts anew."""
-    from cryosleep.cli import resuming
-    from cryosleep.core.job import JobSpec
-
     monkeypatch.setenv("CRYOSLEEP_HOME", str(tmp_path / "home"))
     _, s = suspended(env)
     c = env.client()
@@ -210,3 +211,36 @@ def test_a_multi_node_launch_line_of_a_suspended_job_queues_its_snapshot(
     assert c.enqueue(s["id"])["id"] == c.enqueue(s["id"])["id"]  # node 0's and node 1's launch lines: one entry
     log = (tmp_path / "home" / "jobs" / "sim.node1" / "decisions.jsonl").read_text()
     assert '"action": "restore"' in log and '"action": "fresh"' in log and '"action": "refuse"' in log
+
+
+def test_the_launch_line_waits_for_the_queued_restore_and_says_where_each_node_went(
+        env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cryosleep run --nnodes 2 --node-rank 0 --coordinator URL ...` of the suspended job, in-process: it queues the
+    snapshot, waits while no host fits, and exits 0 with each node's host once simulated daemons restored them."""
+    if os.geteuid() != 0:
+        pytest.skip("cryosleep run needs root")
+    monkeypatch.setenv("CRYOSLEEP_HOME", str(tmp_path / "home"))
+    _, s = suspended(env)
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    c = env.client()
+    threads = []
+
+    def daemons() -> None:  # the hosts appear once the launch waits in the queue
+        wait_for(lambda: any(e["snapshot"] == s["id"] for e in c.queue()), 30, "the launch's entry")
+        for h in ("hostA", "hostB"):
+            c.host_poll(h, {}, 0)
+        for h in ("hostA", "hostB"):
+            done(c, h)
+
+    threads.append(threading.Thread(target=daemons, daemon=True))
+    threads[0].start()
+    code = main(["run", "--json", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--net", "job",
+                 "--run-id", "sim-run", "--name", "sim", "--coordinator", env.url, "--token-file",
+                 str(env.tmp / "token"), str(script)])
+    threads[0].join(10)
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["snapshot"] == s["id"] and out["state"] == "done", out
+    assert [(n["node_rank"], n["host"], n["state"]) for n in out["nodes"]] == [(0, "hostA", "done"),
+                                                                                (1, "hostB", "done")]
+    assert c.queued(s["id"])["source"] == "restore"
