@@ -166,6 +166,8 @@ def test_a_drained_host_without_a_spare_ends_its_job_suspended_and_queued(env: E
     assert {ev["kind"] for ev in env.coordinator.catalog.events(snapshot=d["snapshot"])} >= {"drain", "queue"}
     with pytest.raises(NotEligible, match="is drained"):
         c.place(d["snapshot"], ["sim-0", "sim-1"])
+    with pytest.raises(NotEligible, match="host sim-0 runs node 0 of job sim"):  # its agents have not gone yet
+        c.place(d["snapshot"], ["auto"])
     assert [h["drained"] is not None for h in c.hosts()] == [False, True]
 
     for r in cl.runners:  # the stop's agents go

@@ -300,7 +300,8 @@ class Coordinator:
             raise UsageError("no hosts given for the placement", "expected a list of host names, one per node, or "
                              "[\"auto\"]", "e.g. `cryosleep restore SNAPSHOT --nodes hostA,hostB` or `--nodes auto`")
         return self.placements.place(self.catalog.snapshot(sid), hosts,
-                                     float(timeout_s or self.cfg.default_timeout_s))
+                                     float(timeout_s or self.cfg.default_timeout_s),
+                                     busy=self._busy_hosts() if hosts == ["auto"] else None)
 
     # ---- capacity: busy hosts, the restore queue, drains -------------------------------------------------------
 
