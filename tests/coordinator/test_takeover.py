@@ -168,3 +168,53 @@ def test_the_lease_is_taken_only_once_it_ran_out_and_its_loss_stops_the_holder(p
     assert second.current()["holder"] == "host-b:1:1:y"  # type: ignore[index]
     second.release()
     assert Lease(Catalog(db), 1.5).try_take()  # released: taken at once
+
+
+def test_a_standby_keeps_the_restore_queue_and_the_drained_hosts(tmp_path: Path, pg: PgServer) -> None:
+    """Queued restores (coordinator/queue.py) and drained hosts are in the catalog: the standby that takes over from
+    a SIGKILLed coordinator serves them in the same order and places them once hosts poll it."""
+    db = pg.database()
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    active, standby, url = pair(tmp_path, db)
+    client = CoordinatorClient(url, token)
+    snaps = {}
+    try:
+        for job in ("low", "high"):
+            c = SimCluster(url, token, tmp_path / "store", job=job, nnodes=1, nproc=1, wait_s=2).start()
+            s = client.snapshot(job, stop=True, timeout_s=30)
+            assert s["state"] == "verified", s.get("error")
+            for r in c.runners:
+                r.leave("suspended")
+            c.close()
+            snaps[job] = s["id"]
+        client.enqueue(snaps["low"])
+        client.enqueue(snaps["high"], priority=2)
+        client.host_poll("old-host", {}, 0)
+        client.drain("old-host", deadline_s=10)  # no job runs there: drained, nothing moved
+        before = [(e["id"], e["job"]) for e in client.queue()]
+        assert [j for _, j in before] == ["high", "low"]
+        active.send_signal(signal.SIGKILL)
+        active.wait(10)
+        wait_for(lambda: "listening on" in (tmp_path / "coordinator.log").read_text().split("standby:")[-1], 60,
+                 "the standby serving")
+        client.close()
+        client = CoordinatorClient(url, token)
+        wait_for(lambda: _answers(client), 30, "the standby answering")
+        assert [(e["id"], e["job"], e["state"]) for e in client.queue()] == [(i, j, "waiting") for i, j in before]
+        assert [h["drained"] is not None for h in client.hosts()] == [True]
+        client.host_poll("new-host", {}, 0)
+        wait_for(lambda: client.queued(snaps["high"])["state"] == "placing", 30, "the first entry placed")
+        (order,) = client.host_poll("new-host", {}, 5)
+        assert order["snapshot"] == snaps["high"] and client.queued(snaps["low"])["state"] == "waiting"
+    finally:
+        client.close()
+        stop(active, standby)
+
+
+def _answers(c: CoordinatorClient) -> bool:
+    try:
+        c.health()
+        return True
+    except Exception:
+        return False

@@ -44,7 +44,7 @@ from typing import Any
 from cryosleep import paths
 from cryosleep.agent.node import NodeAgent
 from cryosleep.capture import snapshot as capture_snapshot
-from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Registration
+from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Registration, host_name
 from cryosleep.coordinator.protocol import (
     Command,
     ident_hex,
@@ -517,7 +517,8 @@ def connect(agent: NodeAgent, url: str, token: str, *, wait_s: float = 20.0) -> 
     address = str(spec.net.get("address", "")) if spec.net else ""
     reg = Registration(job=job_name(spec.name, spec.nnodes, spec.node_rank), nnodes=spec.nnodes,
                        node_rank=spec.node_rank, ranks=spec.ranks, hostname=socket.gethostname(), address=address,
-                       facts={"local_job": spec.name, "restored_from": agent.state.restored_from},
+                       facts={"local_job": spec.name, "restored_from": agent.state.restored_from,
+                              "host": host_name()},
                        spec={"nproc_per_node": spec.nproc_per_node, "run_id": spec.run_id,
                              "program": spec.program[-3:], "fast_path": spec.fast_path})
     log = agent.log_line

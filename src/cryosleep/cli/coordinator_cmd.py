@@ -75,6 +75,14 @@ def add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _client_cmd(csub, "placement", "one placement of a snapshot on hosts (restore --nodes): each node's state",
                 cmd_placement, "placement")
     _client_cmd(csub, "show", "one snapshot: per-node images and phase times, events", cmd_show, "snapshot")
+    _client_cmd(csub, "queue", "the restores waiting for free hosts (restore --nodes auto --wait, drains), in the "
+                "order they are served, and why each waits", cmd_queue)
+    _client_cmd(csub, "unqueue", "cancel a queued restore that is still waiting", cmd_unqueue, "snapshot")
+    dr = _client_cmd(csub, "drain", "move every job with a node on HOST off it (stop snapshot, queued for free hosts); "
+                     "HOST takes no node until `undrain`", cmd_drain, "host")
+    dr.add_argument("--deadline", type=float, default=None, metavar="S",
+                    help="the stop snapshots' one deadline (s; default the coordinator's, 600)")
+    _client_cmd(csub, "undrain", "a drained HOST takes nodes again", cmd_undrain, "host")
 
 
 def _client_cmd(csub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str,
@@ -235,9 +243,9 @@ def cmd_hosts(a: argparse.Namespace) -> int:
     if _answered(a, hosts):
         return 0
     rows = [[h["name"], h["facts"].get("hostname", "-"), h["facts"].get("underlay", "-"),
-             len(h["facts"].get("gpus") or ()), "yes" if h["available"] else "no", f"{h['seen_s']:.1f} s", h["orders"]]
-            for h in hosts]
-    print(table(["host", "hostname", "underlay", "gpus", "available", "last poll", "orders"], rows))
+             len(h["facts"].get("gpus") or ()), "yes" if h["available"] else "no", f"{h['seen_s']:.1f} s", h["orders"],
+             h.get("drained") or "-"] for h in hosts]
+    print(table(["host", "hostname", "underlay", "gpus", "available", "last poll", "orders", "drained"], rows))
     return 0
 
 
@@ -249,4 +257,54 @@ def cmd_placement(a: argparse.Namespace) -> int:
     for n in st["nodes"]:
         e = n.get("error") or {}
         print(f"  node {n['node_rank']} on {n['host']}: {n['state']}" + (f": {e.get('what')}" if e else ""))
+    return 0
+
+
+def _age(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def cmd_queue(a: argparse.Namespace) -> int:
+    entries = _client(a).queue()
+    if _answered(a, {"entries": entries}):
+        return 0
+    rows = [[e["position"] or "-", e["snapshot"], e["job"], e["priority"], _age(float(e["age_s"])), e["state"],
+             e["reason"] or "-"] for e in entries]
+    print(table(["#", "snapshot", "job", "priority", "queued", "state", "why"], rows))
+    return 0
+
+
+def cmd_unqueue(a: argparse.Namespace) -> int:
+    e = _client(a).unqueue(a.snapshot)
+    if _answered(a, e):
+        return 0
+    print(f"restore of {e['snapshot']}: {e['state']}: {e['reason']}")
+    return 0 if e["state"] == "cancelled" else 1
+
+
+def cmd_drain(a: argparse.Namespace) -> int:
+    if not a.json:
+        sys.stderr.write(f"cryosleep: draining host {a.host}: every job with a node there is moved\n")
+    out = _client(a).drain(a.host, a.deadline)
+    failed = any(j["outcome"] != "queued" for j in out["jobs"])
+    if a.json:
+        emit_json(out)
+        return 1 if failed else 0
+    print(f"host {a.host}: drained; {len(out['jobs'])} job(s) had a node there")
+    for j in out["jobs"]:
+        print(f"  job {j['job']} (node(s) {', '.join(map(str, j['nodes']))}): {j['action']}: {j['outcome']}"
+              + (f", snapshot {j['snapshot']}, queue entry {j['entry']}" if j["entry"] else ""))
+        for r in j["reasons"]:
+            print(f"    - {r}")
+        if j.get("error"):
+            e = j["error"]
+            print(f"    {e.get('what')}\n    why: {e.get('why')}\n    what to do: {e.get('hint')}")
+    return 1 if failed else 0
+
+
+def cmd_undrain(a: argparse.Namespace) -> int:
+    out = _client(a).undrain(a.host)
+    if _answered(a, out):
+        return 0
+    print(f"host {a.host}: takes nodes again" if out["was_drained"] else f"host {a.host} was not drained")
     return 0

@@ -36,8 +36,9 @@ def add_host(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     h = sub.add_parser("host", help="offer this machine to a coordinator, which places snapshots' nodes on it")
     hsub = h.add_subparsers(dest="host_command", required=True, metavar="SUBCOMMAND")
     s = hsub.add_parser("serve", help="run the host daemon: take the coordinator's orders to restore a node here")
-    s.add_argument("--name", default=socket.gethostname(),
-                   help="this host's name at the coordinator, as `restore --nodes` names it (default: hostname)")
+    s.add_argument("--name", default=client.host_name(),
+                   help="this host's name at the coordinator, as `restore --nodes` and `coordinator drain` name it "
+                   f"(default ${client.ENV_HOST}, else the host name); the restores it runs register under it")
     s.add_argument("--underlay", default=None, metavar="IP",
                    help="this host's address on the network between the hosts, which the job networks' overlays "
                    "use (default: the address this host reaches the coordinator from)")
@@ -142,6 +143,7 @@ class HostDaemon:
             self.say({"event": "restoring", "order": o}, f"restoring {what} (order {o['id']})")
             env = {k: v for k, v in os.environ.items() if k != client.ENV_TOKEN_FILE}
             env[client.ENV_TOKEN] = self.token  # the restore's own link to the coordinator (its barrier)
+            env[client.ENV_HOST] = self.name  # its agent says it runs here (`coordinator drain` finds it by it)
             try:
                 res = subprocess.run(self.restore_command(o), capture_output=True, text=True, env=env,
                                      timeout=float(o["timeout_s"]) + ORDER_MARGIN_S, check=False)
@@ -202,7 +204,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def place_snapshot(a: argparse.Namespace) -> int:
     """``restore SNAPSHOT --nodes H0,H1,...``: node I restored on host HI by its host daemon; waits for every node
-    and shows each one's progress."""
+    and shows each one's progress. ``--nodes auto --wait``: queued at the coordinator until free hosts fit
+    (coordinator/queue.py), then the same."""
     clash = [o for o, v in (("--node-rank", a.node_rank), ("--store", a.store), ("--gpu-map", a.gpu_map),
                             ("--net-peers", a.net_peers)) if v is not None and v != ""]
     if clash:
@@ -210,39 +213,31 @@ def place_snapshot(a: argparse.Namespace) -> int:
                          "the coordinator's placement (its image where the catalog says, its overlay peers from "
                          "the other hosts)", f"drop {', '.join(clash)}, or restore each node with --node-rank")
     hosts = [h.strip() for h in a.nodes.split(",") if h.strip()]
+    wait = bool(getattr(a, "wait", False))
+    if wait and hosts != ["auto"]:
+        raise UsageError("--wait with named hosts", "only the coordinator's own choice of hosts (--nodes auto) waits "
+                         "in its queue for free ones", "give --nodes auto --wait, or drop --wait")
     url, token = client.resolve(a.coordinator, a.token_file)
     link = client.CoordinatorClient(url, token)
     show = not a.json
     try:
-        st = link.place(a.snapshot, hosts, a.timeout)
-        if show:
+        st = queued(link, a.snapshot, a.priority, a.timeout, show) if wait else link.place(a.snapshot, hosts, a.timeout)
+        if show and not wait:
             on = ", ".join(str(n["host"]) for n in st["nodes"])
             sys.stderr.write(f"cryosleep: placing {a.snapshot} on {on} (placement {st['id']})\n")
-        end = time.monotonic() + a.timeout + ORDER_MARGIN_S + 60.0
-        shown: dict[int, str] = {}
-        while True:
-            for n in st["nodes"]:
-                if show and shown.get(n["node_rank"]) != n["state"]:
-                    shown[n["node_rank"]] = n["state"]
-                    sys.stderr.write(f"  node {n['node_rank']} on {n['host']}: {n['state']}\n")
-            if st["state"] in ("done", "failed"):
-                break
-            if time.monotonic() > end:
-                raise CryosleepError(f"the placement of {a.snapshot} did not finish",
-                                     f"placement {st['id']}: " + ", ".join(f"node {n['node_rank']} on {n['host']} "
-                                                                           f"{n['state']}" for n in st["nodes"]),
-                                     "is `cryosleep host serve` still running on each host? see their logs")
-            try:
-                st = link.placement(st["id"], wait_s=20.0, seen=st["version"])
-            except Unreachable as down:  # a restart, a standby taking over: the placement is in the catalog
-                sys.stderr.write(f"cryosleep: the coordinator does not answer ({down.why}); trying again\n")
-                time.sleep(1.0)
+        if not wait:
+            st = follow(link, st, a.snapshot, a.timeout, show)
     finally:
         link.close()
-    out = {"snapshot": a.snapshot, "placement": st["id"], "state": st["state"],
+    return placed(a.snapshot, st, a.json)
+
+
+def placed(snapshot: str, st: dict[str, Any], as_json: bool) -> int:
+    """A placement's outcome, each node's, printed; 0 when every node is restored."""
+    out = {"snapshot": snapshot, "placement": st["id"], "state": st["state"],
            "nodes": [{k: n.get(k) for k in ("node_rank", "host", "state", "peers", "result", "error")}
                      for n in st["nodes"]]}
-    if a.json:
+    if as_json:
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         for n in st["nodes"]:
@@ -251,3 +246,58 @@ def place_snapshot(a: argparse.Namespace) -> int:
                       f"{e.get('what')}\n    why: {e.get('why')}\n    what to do: {e.get('hint')}")
             print(f"node {n['node_rank']} on {n['host']}: {n['state']}: {detail}")
     return 0 if st["state"] == "done" else 1
+
+
+def follow(link: client.CoordinatorClient, st: dict[str, Any], snapshot: str, timeout: float,
+           show: bool) -> dict[str, Any]:
+    """A placement read back (long poll) until every node is done or failed; each node's progress shown."""
+    end = time.monotonic() + timeout + ORDER_MARGIN_S + 60.0
+    shown: dict[int, str] = {}
+    while True:
+        for n in st["nodes"]:
+            if show and shown.get(n["node_rank"]) != n["state"]:
+                shown[n["node_rank"]] = n["state"]
+                sys.stderr.write(f"  node {n['node_rank']} on {n['host']}: {n['state']}\n")
+        if st["state"] in ("done", "failed"):
+            return st
+        if time.monotonic() > end:
+            raise CryosleepError(f"the placement of {snapshot} did not finish",
+                                 f"placement {st['id']}: " + ", ".join(f"node {n['node_rank']} on {n['host']} "
+                                                                       f"{n['state']}" for n in st["nodes"]),
+                                 "is `cryosleep host serve` still running on each host? see their logs")
+        try:
+            st = link.placement(st["id"], wait_s=20.0, seen=st["version"])
+        except Unreachable as down:  # a restart, a standby taking over: the placement is in the catalog
+            sys.stderr.write(f"cryosleep: the coordinator does not answer ({down.why}); trying again\n")
+            time.sleep(1.0)
+
+
+def queued(link: client.CoordinatorClient, snapshot: str, priority: int, timeout: float,
+           show: bool) -> dict[str, Any]:
+    """``--nodes auto --wait``: the snapshot queued, its entry read back until a placement of it ended done, or
+    the entry failed; returns the last placement's state."""
+    e = link.enqueue(snapshot, priority=priority, timeout_s=timeout)
+    if show:
+        sys.stderr.write(f"cryosleep: {snapshot} queued for free hosts (entry {e['id']}, priority {e['priority']}, "
+                         f"position {e['position']}); it stays queued if this command is stopped\n")
+    said, last = "", None
+    while True:
+        if show and e["version"] != said:
+            said = e["version"]
+            sys.stderr.write(f"  {e['state']}: {e['reason']}\n")
+        if e["state"] == "placing" and e["placement"]:
+            last = follow(link, link.placement(e["placement"]), snapshot, timeout, show)
+            if last["state"] == "done":
+                return last
+        if e["state"] in ("done", "failed", "cancelled"):
+            if last is None and e["placement"]:
+                last = link.placement(e["placement"])
+            if last is not None and e["state"] == "done":
+                return last
+            raise CryosleepError(f"the queued restore of {snapshot} ended {e['state']}", e["reason"],
+                                 "see `cryosleep coordinator queue` and the hosts' daemons' logs")
+        try:
+            e = link.queued(snapshot, wait_s=20.0, seen=e["version"])
+        except Unreachable as down:
+            sys.stderr.write(f"cryosleep: the coordinator does not answer ({down.why}); trying again\n")
+            time.sleep(1.0)

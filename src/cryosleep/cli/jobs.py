@@ -18,7 +18,7 @@ from cryosleep.agent.coordinated import RestoreRendezvous
 from cryosleep.capture import outbound
 from cryosleep.capture.restore import Request, RestoreRun
 from cryosleep.cli import launch_args, resuming
-from cryosleep.cli.host_cmd import place_snapshot
+from cryosleep.cli.host_cmd import place_snapshot, placed, queued
 from cryosleep.cli.output import PhasePrinter, emit_json, require_root, seconds_arg
 from cryosleep.cli.transfer import (
     TransferPrinter,
@@ -125,6 +125,12 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="SNAPSHOT is a coordinator's snapshot of a multi-node job: restore node I on the I-th host "
                    "named, each running `cryosleep host serve` (one command for the whole job; the overlay peers "
                    "come from the hosts); auto: the coordinator picks live, free hosts with each node's GPUs")
+    r.add_argument("--wait", action="store_true",
+                   help="with --nodes auto: if no free hosts fit now, queue the restore at the coordinator and wait; "
+                   "it is restored on its own once host daemons with its nodes' GPUs are free (the entry stays "
+                   "queued if this command is stopped: `cryosleep coordinator queue`)")
+    r.add_argument("--priority", type=int, default=0,
+                   help="with --wait: queued restores are served higher priority first, then oldest first")
     add_coordinator_args(r, "with --node-rank or --nodes: the coordinator that took the snapshot "
                          f"(default ${coord_client.ENV_URL})")
     r.add_argument("--detach", action="store_true")
@@ -284,6 +290,14 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise UsageError("--fresh and --resume latest contradict each other", "one starts anew, one resumes",
                          "give one of them")
     lock_fd, claim = -1, None
+    if spec.nnodes > 1 and coordinator is not None:  # a suspended job comes back through the coordinator's queue
+        link = CoordinatorClient(*coordinator)
+        try:
+            sid = resuming.at_coordinator(spec, link, fresh=a.fresh, quiet=a.json)
+            if sid is not None:
+                return placed(sid, queued(link, sid, 0, 600.0, not a.json), a.json)
+        finally:
+            link.close()
     if spec.nnodes == 1:  # decided under the job's lock: two launches of one job never both run it
         become_subreaper()
         lock_fd = take_job_lock(job, lambda m: sys.stderr.write(f"cryosleep: {m}\n"))

@@ -12,13 +12,15 @@ from typing import Any
 
 from cryosleep import paths
 from cryosleep.agent import resume
+from cryosleep.agent.coordinated import job_name
+from cryosleep.coordinator.client import CoordinatorClient
 from cryosleep.core.job import JobDir, JobSpec
-from cryosleep.errors import Busy, Conflict, NotEligible
+from cryosleep.errors import Busy, Conflict, Forbidden, NotEligible, NotFound, Unreachable
 from cryosleep.store import persist
 from cryosleep.store.local import LocalStore
 from cryosleep.triggers import decisions
 
-__all__ = ["decide", "gather"]
+__all__ = ["at_coordinator", "decide", "gather"]
 
 CONFIRM_S = 0.5  # between a claim's write and its read-back
 
@@ -139,4 +141,60 @@ def decide(spec: JobSpec, policy: resume.Policy, *, quiet: bool,
                 else "starting anew")
         sys.stderr.write(f"cryosleep: job {spec.name}: {what} ({'; '.join(choice.reasons)})\n")
     return choice, claim
+
+
+
+def _log(spec: JobSpec, action: str, reasons: list[str], outcome: str, snapshot: str | None = None) -> None:
+    log = decisions.path_for(JobDir(spec.name).path)
+    now = time.time()
+    entry: dict[str, Any] = {"id": f"launch-{int(now * 1000)}", "job": spec.name, "trigger": "launch",
+                             "mode": "coordinator", "action": action, "snapshot": snapshot, "reasons": reasons,
+                             "at": now}
+    decisions.append(log, {"event": "decided", **entry})
+    decisions.append(log, {"event": "outcome", "id": entry["id"], "at": now, "outcome": outcome})
+
+
+def at_coordinator(spec: JobSpec, link: CoordinatorClient, *, fresh: bool, quiet: bool) -> str | None:
+    """A multi-node job's launch line (``run --nnodes N --coordinator URL``): the snapshot to queue for a restore on
+    free hosts when the coordinator has the job suspended in one, with this command (same program and arguments,
+    ``--nproc-per-node`` and ``--run-id``); None to start anew (a new job, one not suspended, ``--fresh``). Another
+    command of a suspended job is refused, naming the snapshot. Said on stderr and in the decision log."""
+    job = job_name(spec.name, spec.nnodes, spec.node_rank)
+    try:
+        row = link.job(job)
+    except NotFound:
+        return None
+    except Forbidden as e:  # a bootstrap credential registers agents and reads no job: nothing to resume by
+        if not quiet:
+            sys.stderr.write(f"cryosleep: job {spec.name}: starting anew: the coordinator's credential cannot read "
+                             f"job {job} ({e.why}), so a suspended snapshot of it is not looked for\n")
+        return None
+    except Unreachable as e:
+        if fresh:
+            return None
+        raise Unreachable(f"job {spec.name} is not started: the coordinator cannot say whether it is suspended",
+                          f"{e.what} ({e.why})", "start the coordinator (or check --coordinator), then launch again; "
+                          "`--fresh` starts the job anew without asking") from e
+    if row.get("state") != "suspended" or not row.get("last_snapshot"):
+        return None
+    sid = str(row["last_snapshot"])
+    if fresh:
+        _log(spec, "fresh", [f"--fresh: job {job} is suspended in snapshot {sid} at the coordinator; it stays there"],
+             "started")
+        return None
+    had = row.get("spec") or {}
+    mine = {"program": spec.program[-3:], "nproc_per_node": spec.nproc_per_node, "run_id": spec.run_id}
+    differs = [f"{k}: {had.get(k)!r} there, {v!r} here" for k, v in mine.items() if k in had and had.get(k) != v]
+    if differs:
+        _log(spec, "refuse", differs, "refused", sid)
+        raise NotEligible(f"job {spec.name} is not started: the coordinator has it suspended in snapshot {sid}",
+                          "this launch's command differs from the suspended one's: " + "; ".join(differs),
+                          f"bring that snapshot back with `cryosleep restore {sid} --nodes auto --wait`, or start the "
+                          "job anew with `cryosleep run --fresh ...` (the snapshot stays in the catalog)")
+    why = [f"job {job} is suspended in snapshot {sid} (the coordinator's catalog)", "its command is this one"]
+    _log(spec, "restore", why, "queued", sid)
+    if not quiet:
+        sys.stderr.write(f"cryosleep: job {spec.name}: resuming from snapshot {sid} through the coordinator's queue "
+                         f"({'; '.join(why)})\n")
+    return sid
 

@@ -34,7 +34,7 @@ from cryosleep import paths
 from cryosleep.coordinator.engine import Engine, open_engine
 from cryosleep.errors import CryosleepError, NotFound, UsageError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 FINAL = ("verified", "failed", "aborted")
 
 _SCHEMA_V1 = """
@@ -82,6 +82,16 @@ CREATE TABLE IF NOT EXISTS orders (
   result TEXT, error TEXT, updated_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS orders_placement ON orders (placement, node_rank);
+"""
+
+# v4: restores waiting for capacity, and drained hosts (coordinator/queue.py, drain.py)
+_SCHEMA_V4 = """
+CREATE TABLE IF NOT EXISTS queue (
+  id TEXT PRIMARY KEY, snapshot TEXT NOT NULL, job TEXT NOT NULL, priority INTEGER NOT NULL,
+  created_at REAL NOT NULL, timeout_s REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL,
+  placement TEXT NOT NULL, attempts INTEGER NOT NULL, source TEXT NOT NULL, updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS drains (host TEXT PRIMARY KEY, reason TEXT NOT NULL, since REAL NOT NULL);
 """
 
 
@@ -141,6 +151,7 @@ class Catalog:
             if have < 2 and "incarnation" not in c.columns("snapshot_nodes"):
                 c.execute("ALTER TABLE snapshot_nodes ADD COLUMN incarnation TEXT NOT NULL DEFAULT ''")
             c.script(_SCHEMA_V3)  # v3: new tables only
+            c.script(_SCHEMA_V4)  # v4: new tables only
             c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
                       "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
 

@@ -41,6 +41,13 @@ ENV_TOKEN = "CRYOSLEEP_COORDINATOR_TOKEN"
 ENV_CA = "CRYOSLEEP_COORDINATOR_CA"
 ENV_CERT = "CRYOSLEEP_COORDINATOR_CERT"
 ENV_KEY = "CRYOSLEEP_COORDINATOR_KEY"
+ENV_HOST = "CRYOSLEEP_HOST"
+"""This machine's name at the coordinator: the name its host daemon polls under (``host serve --name``) and the
+host its node agents say they run on (``coordinator drain HOST`` finds them by it); default: the host name."""
+
+
+def host_name() -> str:
+    return os.environ.get(ENV_HOST) or socket.gethostname()
 Token = str | Callable[[], str]
 """A credential, or where to read the current one (an agent's, issued when it registers)."""
 PIGGYBACK_S = 0.05  # a result ready this soon after its command arrived rides on the next poll
@@ -218,6 +225,35 @@ class CoordinatorClient:
                      error: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.http.call("POST", f"/v1/orders/{quote(oid, safe='')}",
                               {"state": state, "result": result, "error": error})
+
+    def enqueue(self, sid: str, *, priority: int = 0, timeout_s: float | None = None) -> dict[str, Any]:
+        """Snapshot ``sid`` queued for a restore on free compatible hosts (coordinator/queue.py): its entry (the
+        one already waiting for it, if any)."""
+        body: dict[str, Any] = {"priority": priority}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self.http.call("POST", f"/v1/snapshots/{quote(sid, safe='')}/queue", body)
+
+    def unqueue(self, sid: str) -> dict[str, Any]:
+        return self.http.call("POST", f"/v1/snapshots/{quote(sid, safe='')}/queue", {"cancel": True})
+
+    def queued(self, sid: str, wait_s: float = 0.0, seen: str = "") -> dict[str, Any]:
+        """Snapshot ``sid``'s newest queue entry; with ``wait_s``, once it changed from ``seen`` (its ``version``)."""
+        return self.http.call("GET", f"/v1/snapshots/{quote(sid, safe='')}/queue?wait_s={wait_s:g}&seen={quote(seen)}",
+                              timeout=wait_s + 30)
+
+    def queue(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = self.http.call("GET", "/v1/queue")["entries"]
+        return out
+
+    def drain(self, host: str, deadline_s: float | None = None) -> dict[str, Any]:
+        """Every job with a node on ``host`` moved off it (coordinator/drain.py); waits for the decisions' outcome."""
+        body: dict[str, Any] = {} if deadline_s is None else {"deadline_s": deadline_s}
+        return self.http.call("POST", f"/v1/hosts/{quote(host, safe='')}/drain", body,
+                              timeout=(deadline_s or 600.0) + 300.0)
+
+    def undrain(self, host: str) -> dict[str, Any]:
+        return self.http.call("POST", f"/v1/hosts/{quote(host, safe='')}/undrain", {})
 
     def rendezvous(self, sid: str, put: dict[str, Any] | None = None, prefix: str | None = None,
                    min_keys: int = 0, wait_s: float = 0.0) -> dict[str, dict[str, Any]]:

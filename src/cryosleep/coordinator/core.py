@@ -13,15 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cryosleep.coordinator import drain as drain_rules
 from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.placement import Placements
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
+from cryosleep.coordinator.queue import Entry, RestoreQueue
 from cryosleep.coordinator.rendezvous import Board
 from cryosleep.coordinator.shared import SharedStore
-from cryosleep.errors import Busy, NotEligible, NotFound, ProtocolError, UsageError
+from cryosleep.errors import Busy, CryosleepError, NotEligible, NotFound, ProtocolError, UsageError
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Coordinator:
         shared = SharedStore(catalog)  # written through, loaded back by a successor (coordinator/shared.py)
         self.board = Board(shared)  # multi-node restores meet here (coordinator/rendezvous.py)
         self.placements = Placements(store=shared)  # host daemons, and snapshots placed on them (placement.py)
+        self.queue = RestoreQueue(self.placements, catalog.snapshot, self._runs, self._busy_hosts, self._queue_event,
+                                  shared)  # restores waiting for capacity (queue.py)
         self.lock = threading.Lock()
         self.active: dict[str, SnapshotRun] = {}  # job -> its snapshot in progress
         self.threads: list[threading.Thread] = []
@@ -65,6 +69,7 @@ class Coordinator:
         self._recover()
         t = threading.Thread(target=self._flush_heartbeats, name="heartbeats", daemon=True)
         t.start()
+        threading.Thread(target=self.queue.serve, kwargs={"log": self.log}, name="queue", daemon=True).start()
 
     # ---- recovery after a restart ----------------------------------------------------------------------------
 
@@ -129,6 +134,7 @@ class Coordinator:
 
     def close(self) -> None:
         self._stop.set()
+        self.queue.close()
         self.hub.close()
         for r in list(self.active.values()):
             r.cancelled = True
@@ -209,7 +215,7 @@ class Coordinator:
             state = "incomplete" if len(nodes) < job["nnodes"] else "lost"
         return {"job": name, "nnodes": job["nnodes"], "state": state, "last_snapshot": job["last_snapshot"],
                 "snapshot_in_progress": run.sid if run else None, "nodes": nodes,
-                "ranks": sum(len(n["ranks"]) for n in nodes), "created_at": job["created_at"]}
+                "ranks": sum(len(n["ranks"]) for n in nodes), "created_at": job["created_at"], "spec": job["spec"]}
 
     def jobs(self) -> list[dict[str, Any]]:
         return [self.job_status(j["name"]) for j in self.catalog.jobs()]
@@ -294,4 +300,98 @@ class Coordinator:
             raise UsageError("no hosts given for the placement", "expected a list of host names, one per node, or "
                              "[\"auto\"]", "e.g. `cryosleep restore SNAPSHOT --nodes hostA,hostB` or `--nodes auto`")
         return self.placements.place(self.catalog.snapshot(sid), hosts,
-                                     float(timeout_s or self.cfg.default_timeout_s))
+                                     float(timeout_s or self.cfg.default_timeout_s),
+                                     busy=self._busy_hosts() if hosts == ["auto"] else None)
+
+    # ---- capacity: busy hosts, the restore queue, drains -------------------------------------------------------
+
+    def _live_agents(self, job: str | None = None) -> list[dict[str, Any]]:
+        return [a for a in self.catalog.agents(job) if self.hub.alive(a["id"], self.cfg.lost_after_s)]
+
+    @staticmethod
+    def host_of(agent: dict[str, Any]) -> str:
+        """The host an agent runs on, by its host daemon's name (``$CRYOSLEEP_HOST``), else its host name."""
+        return str((agent.get("facts") or {}).get("host") or agent["hostname"])
+
+    def _busy_hosts(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for a in self._live_agents():
+            out.setdefault(self.host_of(a), f"runs node {a['node_rank']} of job {a['job']}")
+        return out
+
+    def _runs(self, job: str, since: float) -> tuple[str, bool] | None:
+        live = self._live_agents(job)
+        if not live:
+            return None
+        where = ", ".join(f"node {a['node_rank']} on {self.host_of(a)}" for a in live)
+        return f"job {job} runs ({where})", any(float(a["registered_at"]) > since for a in live)
+
+    def _queue_event(self, e: Entry, message: str) -> None:
+        self.catalog.event("queue", f"restore {e.id} of {e.snapshot}: {message}", job=e.job, snapshot=e.snapshot)
+        self.log(f"queue: {e.id} ({e.snapshot}, job {e.job}, priority {e.priority}): {message}")
+
+    def enqueue(self, sid: str, priority: int = 0, timeout_s: float | None = None,
+                source: str = "restore") -> dict[str, Any]:
+        """Snapshot ``sid`` restored on its own once free compatible hosts are there (coordinator/queue.py)."""
+        return self.queue.enqueue(sid, int(priority), float(timeout_s or self.cfg.default_timeout_s), source)
+
+    def drain(self, host: str, deadline_s: float | None = None) -> dict[str, Any]:
+        """Every job with a node on ``host`` moved off it (coordinator/drain.py); the host takes no node from now
+        on. Returns once every job's stop snapshot ended (queued) or failed (the job still runs there)."""
+        if not host or "/" in host:
+            raise UsageError(f"invalid host name {host!r}", "a host's name is one path segment", "")
+        deadline = float(deadline_s or self.cfg.default_timeout_s)
+        self.placements.drain(host, f"drained at {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        self.catalog.event("drain", f"host {host} drained (deadline {deadline:g} s): it takes no node from now on")
+        self.log(f"drain: host {host}: it takes no node from now on")
+        on: dict[str, list[int]] = {}
+        for a in self._live_agents():
+            if self.host_of(a) == host:
+                on.setdefault(str(a["job"]), []).append(int(a["node_rank"]))
+        busy = self._busy_hosts()
+        decisions: list[drain_rules.Decision] = []
+        for job, nodes in sorted(on.items()):
+            row = self.catalog.job(job)
+            last = self.catalog.snapshot(row["last_snapshot"]) if row.get("last_snapshot") else {}
+            images = {int(n["node_rank"]): n.get("image") or {} for n in last.get("nodes") or ()}
+            try:
+                spare = self.placements.pick({"id": f"{job} (its nodes on {host})",
+                                              "nodes": [{"node_rank": r, "image": images.get(r, {})} for r in nodes]},
+                                             busy)
+                no_spare = ""
+            except NotEligible as e:
+                spare, no_spare = [], e.why
+            d = drain_rules.decide(job, host, nodes, int(row["nnodes"]), spare, no_spare)
+            decisions.append(d)
+            try:
+                s = self.trigger(job, "stop", deadline, request_id=f"drain-{host}-{time.time():.0f}")
+                d.snapshot = str(s["id"])
+            except CryosleepError as e:
+                d.outcome, d.error = "failed", e.to_json()
+            # shown with the snapshot's events too (`coordinator show SNAPSHOT`)
+            self.catalog.event("drain", f"host {host}: {d.action}: " + "; ".join(d.reasons), job=job,
+                               snapshot=d.snapshot or None)
+            self.log(f"drain: host {host}: job {job}: {d.action}: " + "; ".join(d.reasons))
+        for d in decisions:
+            if not d.snapshot:
+                continue
+            row = self.wait_snapshot(d.snapshot, deadline + self.cfg.rollback_s * 2)
+            if row["state"] == "verified":
+                entry = self.enqueue(d.snapshot, 0, None, f"drain {host}")
+                d.entry, d.outcome = str(entry["id"]), "queued"
+            else:
+                d.outcome = "failed"
+                d.error = row.get("error") or {"what": f"the stop snapshot {d.snapshot} is {row['state']}"}
+                d.error = {**d.error, "hint": f"the job still runs on {host} (a failed snapshot leaves it running): "
+                           f"drain again, or end it"}
+            msg = f"host {host}: job {d.job}: {d.outcome}" + (f" (snapshot {d.snapshot}, queue entry {d.entry})"
+                                                               if d.entry else f": {(d.error or {}).get('what')}")
+            self.catalog.event("drain", msg, job=d.job, snapshot=d.snapshot or None)
+            self.log(f"drain: {msg}")
+        return {"host": host, "drained": True, "deadline_s": deadline, "jobs": [d.to_json() for d in decisions]}
+
+    def undrain(self, host: str) -> dict[str, Any]:
+        was = self.placements.undrain(host)
+        if was:
+            self.catalog.event("drain", f"host {host} undrained: it takes nodes again")
+        return {"host": host, "drained": False, "was_drained": was}

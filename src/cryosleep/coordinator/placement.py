@@ -23,7 +23,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +82,9 @@ class Placements:
         self.hosts: dict[str, HostEntry] = {}
         self.orders: dict[str, Order] = {}
         self.placements: dict[str, list[str]] = {}  # placement id -> its orders, by node rank
+        self.drained: dict[str, str] = {}  # host -> why it takes no node (`coordinator drain`)
         if store is not None:  # what a previous coordinator left (a restart, a standby's takeover)
+            self.drained = store.drained()
             for name, facts, seen in store.hosts():
                 self.hosts[name] = HostEntry(name, facts, seen, written=seen)
             for d in store.orders():
@@ -93,6 +95,21 @@ class Placements:
         if self.store is not None:
             for o in orders:
                 self.store.order_put(o.to_json())
+
+    def drain(self, host: str, reason: str) -> None:
+        """``host`` takes no node from now on (until ``undrain``); written through."""
+        with self.cond:
+            self.drained[host] = reason
+            if self.store is not None:
+                self.store.drain_put(host, reason)
+
+    def undrain(self, host: str) -> bool:
+        with self.cond:
+            was = self.drained.pop(host, None) is not None
+            if self.store is not None:
+                self.store.drain_drop(host)
+            self.cond.notify_all()
+            return was
 
     # ---- the host daemons' side --------------------------------------------------------------------------------
 
@@ -161,15 +178,16 @@ class Placements:
         now = time.monotonic()
         with self.cond:
             return [{"name": h.name, "facts": h.facts, "seen_s": round(now - h.seen, 3),
-                     "available": h.polling > 0 or now - h.seen < self.fresh_s,
+                     "available": (h.polling > 0 or now - h.seen < self.fresh_s) and h.name not in self.drained,
+                     "drained": self.drained.get(h.name),
                      "orders": sum(1 for o in self.orders.values() if o.host == h.name and o.state not in FINAL)}
                     for h in sorted(self.hosts.values(), key=lambda h: h.name)]
 
-    def pick(self, snapshot: dict[str, Any]) -> list[str]:
+    def pick(self, snapshot: dict[str, Any], busy: Mapping[str, str] | None = None) -> list[str]:
         """Hosts for every node of ``snapshot`` (``--nodes auto``), node by node in rank order: a host that polled
-        recently, has no order in progress, is not taken by another node, and has the GPUs (count and model) the
-        node's image was taken on; by name among equals. Refused with each node's unmet need and why each host
-        was passed over."""
+        recently, is not drained, has no order in progress, is not ``busy`` (host -> why: it runs a node of a live
+        job), is not taken by another node, and has the GPUs (count and model) the node's image was taken on; by
+        name among equals. Refused with each node's unmet need and why each host was passed over."""
         sid = str(snapshot["id"])
         images = {int(n["node_rank"]): n.get("image") or {} for n in snapshot.get("nodes") or ()}
         now = time.monotonic()
@@ -181,6 +199,10 @@ class Placements:
             for h in sorted(self.hosts.values(), key=lambda h: h.name):
                 if h.polling == 0 and now - h.seen >= self.fresh_s:
                     why[h.name] = f"has not polled for {now - h.seen:.0f} s"
+                elif h.name in self.drained:
+                    why[h.name] = f"is drained ({self.drained[h.name]})"
+                elif busy and h.name in busy:
+                    why[h.name] = busy[h.name]
                 elif any(o.host == h.name and o.state not in FINAL for o in self.orders.values()):
                     why[h.name] = "is restoring another node now"
                 else:
@@ -205,15 +227,16 @@ class Placements:
                                   "with --nodes; nothing was started")
         return chosen
 
-    def place(self, snapshot: dict[str, Any], hosts: list[str], timeout_s: float) -> dict[str, Any]:
-        """Node I of ``snapshot`` (a catalog row) on ``hosts[I]`` (``["auto"]``: hosts chosen by ``pick``): one order
-        per node, or refused with every reason (nothing is queued then)."""
+    def place(self, snapshot: dict[str, Any], hosts: list[str], timeout_s: float,
+              busy: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Node I of ``snapshot`` (a catalog row) on ``hosts[I]`` (``["auto"]``: hosts chosen by ``pick``, ``busy``
+        passed on): one order per node, or refused with every reason (nothing is queued then)."""
         sid = str(snapshot["id"])
         if hosts == ["auto"]:
             if snapshot.get("state") != "verified":
                 raise NotEligible(f"snapshot {sid} cannot be placed", f"it is {snapshot.get('state')}, not verified",
                                   "list the valid snapshots with `cryosleep coordinator snapshots JOB --valid`")
-            hosts = self.pick(snapshot)
+            hosts = self.pick(snapshot, busy)
         nodes = sorted(int(n["node_rank"]) for n in snapshot.get("nodes") or ())
         problems = []
         if snapshot.get("state") != "verified":
@@ -229,6 +252,9 @@ class Placements:
                     problems.append(f"no host {name!r} has registered (is `cryosleep host serve` running there?)")
                 elif h.polling == 0 and now - h.seen >= self.fresh_s:
                     problems.append(f"host {name!r} has not polled for {now - h.seen:.0f} s")
+                if name in self.drained:
+                    problems.append(f"host {name!r} is drained ({self.drained[name]}): `cryosleep coordinator "
+                                    f"undrain {name}` offers it again")
             images = {int(n["node_rank"]): n.get("image") or {} for n in snapshot.get("nodes") or ()}
             for rank, name in zip(nodes, hosts, strict=False):
                 need, h = images.get(rank, {}).get("gpus") or [], self.hosts.get(name)
@@ -241,11 +267,11 @@ class Placements:
                 raise NotEligible(f"snapshot {sid} cannot be placed", "; ".join(problems),
                                   "list the hosts with `cryosleep coordinator hosts` and the valid snapshots with "
                                   "`cryosleep coordinator snapshots JOB --valid`; nothing was started")
-            busy = [p for p, oids in self.placements.items()
-                    if self.orders[oids[0]].snapshot == sid and any(self.orders[o].state not in FINAL for o in oids)]
-            if busy:
-                raise Busy(f"snapshot {sid} is being placed already", f"placement {busy[0]} is in progress",
-                           f"wait for it: `cryosleep coordinator placement {busy[0]}`")
+            placing = [p for p, oids in self.placements.items()
+                       if self.orders[oids[0]].snapshot == sid and any(self.orders[o].state not in FINAL for o in oids)]
+            if placing:
+                raise Busy(f"snapshot {sid} is being placed already", f"placement {placing[0]} is in progress",
+                           f"wait for it: `cryosleep coordinator placement {placing[0]}`")
             pid = "pl-" + secrets.token_hex(6)
             underlay = {n: str(self.hosts[n].facts.get("underlay") or "") for n in hosts}
             oids = []

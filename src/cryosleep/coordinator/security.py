@@ -11,8 +11,9 @@ in); ``Gate`` puts them in the order the HTTP service applies them to every requ
 
 Credentials (``docs/security.md``, "The coordinator"):
 
-* **admin**: everything.
-* **tenant**: the jobs whose names match the tenant's patterns, their snapshots and restores; lists show only them.
+* **admin**: everything (draining a host, ``coordinator drain``, is for admins only).
+* **tenant**: the jobs whose names match the tenant's patterns, their snapshots and restores (queued ones too);
+  lists show only them.
 * **bootstrap**: registers an agent (of its tenant's jobs when it has one) and joins restore boards; the answer to
   a registration carries an **agent** credential that acts only for that job and node (its polls and results, its
   own job's status and snapshots, the boards).
@@ -233,7 +234,7 @@ class Credentials:
 AGENT_ROUTES = frozenset({"register", "poll", "results", "leave", "job", "job_snapshots", "trigger", "snapshot",
                           "rendezvous"})
 TENANT_ROUTES = frozenset({"jobs", "job", "job_snapshots", "trigger", "snapshots", "snapshot", "rendezvous",
-                           "place", "placement"})
+                           "place", "placement", "enqueue", "queued", "queue"})
 HOST_ROUTES = frozenset({"register", "rendezvous", "hosts", "host_poll", "order"})
 
 
@@ -290,7 +291,7 @@ def authorize(p: Principal, route: str, params: Mapping[str, str], body_job: str
         job = body_job
     elif "job" in params:
         job = params["job"]
-    elif route == "snapshot" or route == "place":
+    elif route in ("snapshot", "place", "enqueue", "queued"):
         job = look.snapshot_job(params["sid"])
         if job is None:
             return f"snapshot {params['sid']} is not in the catalog"
@@ -327,6 +328,8 @@ BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "trigger": {"mode": (str,), "timeout_s": _NUM, "request_id": (str,), "wait": (bool,)},
     "rendezvous": {"put": (dict,), "get": (dict,)},
     "place": {"hosts": (list,), "timeout_s": _NUM},
+    "enqueue": {"priority": (int,), "timeout_s": _NUM, "cancel": (bool,)},
+    "drain": {"deadline_s": _NUM},
     "host_poll": {"facts": (dict,), "wait_s": _NUM},
     "order": {"state": (str,), "result": (dict,), "error": (dict,)},
 }
@@ -419,7 +422,7 @@ class Limiter:
 # ---- the audit log ---------------------------------------------------------------------------------------------
 
 AUDITED = {"register": "register", "trigger": "snapshot", "place": "restore", "rendezvous": "restore",
-           "order": "host-order"}
+           "order": "host-order", "enqueue": "queue-restore", "drain": "drain", "undrain": "undrain"}
 
 
 class Audit:
@@ -555,6 +558,9 @@ class Gate:
         if p.tenant is not None and p.role == "tenant" and isinstance(result, dict):
             if adm.route == "jobs":
                 result = {"jobs": [j for j in result["jobs"] if self.look.tenant_of(str(j.get("job"))) == p.tenant]}
+            elif adm.route == "queue":
+                result = {"entries": [e for e in result["entries"]
+                                      if self.look.tenant_of(str(e.get("job"))) == p.tenant]}
             elif adm.route == "snapshots":
                 result = {"snapshots": [s for s in result["snapshots"]
                                         if self.look.tenant_of(str(s.get("job"))) == p.tenant]}

@@ -27,6 +27,11 @@ Clients::
     GET  /v1/jobs/{job}/snapshots          its snapshots (?valid=1: verified only)
     GET  /v1/snapshots                     all snapshots (?job=, ?valid=1)
     GET  /v1/snapshots/{id}                detail: per-node images and phase times, events
+    POST /v1/snapshots/{id}/queue          {priority?, timeout_s?, cancel?}: restored once hosts are free (queue.py)
+    GET  /v1/snapshots/{id}/queue          its queue entry (?wait_s=&seen=: once it changed)
+    GET  /v1/queue                         every entry, in the order they are served, with why each waits
+    POST /v1/hosts/{host}/drain            {deadline_s?}: every job with a node there moved off it (drain.py)
+    POST /v1/hosts/{host}/undrain          the host takes nodes again
 """
 
 from __future__ import annotations
@@ -92,10 +97,15 @@ ROUTES: list[Route] = [
     ("GET", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)$"), "snapshot"),
     ("POST", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)/restore$"), "rendezvous"),
     ("POST", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)/place$"), "place"),
+    ("POST", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)/queue$"), "enqueue"),
+    ("GET", re.compile(r"^/v1/snapshots/(?P<sid>[^/]+)/queue$"), "queued"),
+    ("GET", re.compile(r"^/v1/queue$"), "queue"),
     ("GET", re.compile(r"^/v1/placements/(?P<pid>[^/]+)$"), "placement"),
     ("GET", re.compile(r"^/v1/hosts$"), "hosts"),
     ("POST", re.compile(r"^/v1/hosts/(?P<host>[^/]+)/poll$"), "host_poll"),
     ("POST", re.compile(r"^/v1/orders/(?P<oid>[^/]+)$"), "order"),
+    ("POST", re.compile(r"^/v1/hosts/(?P<host>[^/]+)/drain$"), "drain"),
+    ("POST", re.compile(r"^/v1/hosts/(?P<host>[^/]+)/undrain$"), "undrain"),
 ]
 
 
@@ -303,6 +313,18 @@ class Handler(BaseHTTPRequestHandler):
         if name == "place":
             hosts = body.get("hosts")
             return c.place(p["sid"], list(hosts) if isinstance(hosts, list) else [], body.get("timeout_s"))
+        if name == "enqueue":
+            if body.get("cancel"):
+                return c.queue.cancel(p["sid"])
+            return c.enqueue(p["sid"], int(body.get("priority") or 0), body.get("timeout_s"))
+        if name == "queued":
+            return c.queue.status(p["sid"], float((q.get("wait_s") or ["0"])[0]), (q.get("seen") or [""])[0])
+        if name == "queue":
+            return {"entries": c.queue.list()}
+        if name == "drain":
+            return c.drain(p["host"], body.get("deadline_s"))
+        if name == "undrain":
+            return c.undrain(p["host"])
         if name == "placement":
             return c.placements.status(p["pid"], float((q.get("wait_s") or ["0"])[0]), (q.get("seen") or [""])[0])
         if name == "hosts":

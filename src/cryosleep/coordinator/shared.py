@@ -1,6 +1,6 @@
-"""What an active coordinator shares with its standby, in the catalog's engine (schema 3): the lease that says
-which coordinator serves, the restores' boards (rendezvous.py), the hosts and the placements' orders
-(placement.py).
+"""What an active coordinator shares with its standby, in the catalog's engine (schemas 3 and 4): the lease that
+says which coordinator serves, the restores' boards (rendezvous.py), the hosts and the placements' orders
+(placement.py), the drained hosts and the restores queued for capacity (queue.py).
 
 The serving coordinator keeps these in memory, where its long polls wait on them, and writes every change
 through to the engine; a coordinator that takes over (or restarts) loads them back before it serves. Times are
@@ -112,6 +112,47 @@ class SharedStore:
                  "result": json.loads(r["result"]) if r["result"] else None,
                  "error": json.loads(r["error"]) if r["error"] else None,
                  "updated": _mono(float(r["updated_at"]), now_wall, now_mono)} for r in rows]
+
+
+    # ---- drained hosts and the restore queue ----------------------------------------------------------------
+
+    def drain_put(self, host: str, reason: str) -> None:
+        with self.catalog.tx() as c:
+            c.execute("INSERT INTO drains (host, reason, since) VALUES (?, ?, ?) ON CONFLICT (host) "
+                      "DO UPDATE SET reason = excluded.reason", (host, reason, time.time()))
+
+    def drain_drop(self, host: str) -> None:
+        with self.catalog.tx() as c:
+            c.execute("DELETE FROM drains WHERE host = ?", (host,))
+
+    def drained(self) -> dict[str, str]:
+        with self.catalog.lock:
+            rows = self.catalog.db.execute("SELECT host, reason FROM drains").fetchall()
+        return {str(r["host"]): str(r["reason"]) for r in rows}
+
+    def queue_put(self, e: dict[str, Any]) -> None:
+        """One queue entry (queue.Entry's JSON form: times on the wall clock, kept as they are)."""
+        with self.catalog.tx() as c:
+            c.execute("INSERT INTO queue (id, snapshot, job, priority, created_at, timeout_s, state, reason, "
+                      "placement, attempts, source, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                      "ON CONFLICT (id) DO UPDATE SET priority = excluded.priority, state = excluded.state, "
+                      "reason = excluded.reason, placement = excluded.placement, attempts = excluded.attempts, "
+                      "updated_at = excluded.updated_at",
+                      (e["id"], e["snapshot"], e["job"], e["priority"], e["created_at"], e["timeout_s"], e["state"],
+                       e["reason"], e["placement"], e["attempts"], e["source"], e["updated_at"]))
+
+    def queue_drop(self, ids: list[str]) -> None:
+        with self.catalog.tx() as c:
+            c.executemany("DELETE FROM queue WHERE id = ?", [(i,) for i in ids])
+
+    def queue(self) -> list[dict[str, Any]]:
+        with self.catalog.lock:
+            rows = self.catalog.db.execute("SELECT * FROM queue ORDER BY created_at, id").fetchall()
+        return [{"id": str(r["id"]), "snapshot": str(r["snapshot"]), "job": str(r["job"]),
+                 "priority": int(r["priority"]), "created_at": float(r["created_at"]),
+                 "timeout_s": float(r["timeout_s"]), "state": str(r["state"]), "reason": str(r["reason"]),
+                 "placement": str(r["placement"]), "attempts": int(r["attempts"]), "source": str(r["source"]),
+                 "updated_at": float(r["updated_at"])} for r in rows]
 
 
 def holder_id() -> str:
