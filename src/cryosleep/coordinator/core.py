@@ -159,14 +159,24 @@ class Coordinator:
                         "the coordinator restarted, or a newer incarnation of this agent registered",
                         "register again (POST /v1/agents/register)", reregister=True)
 
-    def poll(self, agent_id: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    def poll_args(self, body: dict[str, Any]) -> tuple[str, list[Result], float]:
+        """A poll's incarnation, the results it carries and how long it may be held."""
         inc = str(body.get("incarnation", ""))
         results = [Result.from_json(r) for r in body.get("results") or ()]
         wait = min(max(0.0, float(body.get("wait_s", self.cfg.poll_wait_s))), self.cfg.poll_wait_s)
+        return inc, results, wait
+
+    def poll(self, agent_id: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """A long poll held in the calling thread (the HTTP server holds its polls on its event loop instead:
+        service.py)."""
+        inc, results, wait = self.poll_args(body)
         cmds = self.hub.take(agent_id, inc, wait, gone, results)
         if cmds is None:
             raise self._unknown_agent(agent_id)
         return {"commands": [c.to_json() for c in cmds]}
+
+    def unknown_agent(self, agent_id: str) -> NotFound:
+        return self._unknown_agent(agent_id)
 
     def leave(self, agent_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """The agent goes (its job ended on its node): counted out at once, with its reason."""

@@ -6,7 +6,8 @@ once); a result removes its command and wakes whoever waits for it. An agent is 
 open, or polled within ``lost_after_s``; one that said it leaves (``leave``: its job ended on its node, so the
 agent exits) is not, from that moment, and says why. Everything here is guarded by one lock; each agent has its own
 condition so that a result or a command wakes only the threads concerned (128 pollers do not all wake for
-each of 128 results).
+each of 128 results). A poll held on an event loop (the HTTP server's, coordinator/httpserver.py) instead of a
+thread uses ``poll_open``/``poll_due``/``poll_close`` and is woken through the waker it registered.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class AgentLine:
     polling: int = 0
     replaced: bool = False
     left: str | None = None  # why the agent left (its job ended there), or None
+    wakers: list[Callable[[], None]] = field(default_factory=list)  # held polls on an event loop (poll_open)
 
 
 class Hub:
@@ -75,7 +77,7 @@ class Hub:
                 return
             if old is not None:
                 old.replaced = True
-                old.cond.notify_all()
+                self._wake(old)
             self.lines[agent_id] = AgentLine(agent_id, job, node_rank, incarnation, threading.Condition(self.lock),
                                              last_seen=time.monotonic())
             self.results_cond.notify_all()
@@ -111,7 +113,7 @@ class Hub:
             if a is None or a.incarnation != incarnation:
                 return False
             a.left = reason or "its agent left"
-            a.cond.notify_all()
+            self._wake(a)
             self.results_cond.notify_all()
             return True
 
@@ -131,7 +133,7 @@ class Hub:
             if cmd_id in a.outbox or (agent_id, cmd_id) in self.results:
                 return  # already queued or answered: sending again is a no-op
             a.outbox[cmd_id] = Pending(cmd_id, snapshot, job, op, args, deadline)
-            a.cond.notify_all()
+            self._wake(a)
 
     def send_round(self, cmd_id: str, snapshot: str, job: str, op: Op, args: Mapping[str, dict[str, Any]],
                    deadline: float) -> None:
@@ -199,6 +201,52 @@ class Hub:
             finally:
                 a.polling -= 1
                 a.last_seen = time.monotonic()
+
+    @staticmethod
+    def _wake(a: AgentLine) -> None:
+        a.cond.notify_all()
+        for w in a.wakers:
+            w()
+
+    def poll_open(self, agent_id: str, incarnation: str, results: Sequence[Result],
+                  waker: Callable[[], None]) -> AgentLine | None:
+        """``take`` for a poll held without a thread of its own: records the ``results`` it carries and counts
+        the poll open; ``waker()`` (called under the lock, from any thread) whenever ``poll_due`` may have
+        something new. None: as ``take``. Every open poll is closed with ``poll_close``."""
+        with self.lock:
+            a = self.lines.get(agent_id)
+            if a is None or a.incarnation != incarnation or a.left is not None:
+                return None
+            for res in results:
+                self._put(a, res)
+            a.polling += 1
+            a.wakers.append(waker)
+            return a
+
+    def poll_due(self, a: AgentLine) -> list[Command] | bool | None:
+        """An open poll looks: the commands due (as ``take``), [] when it should answer with none (the hub
+        closed, the agent left), None when its incarnation was replaced, False when it should go on waiting."""
+        with self.lock:
+            now = time.monotonic()
+            a.last_seen = now
+            self.seen_wall[a.agent_id] = time.time()
+            if a.replaced or self.closed or a.left is not None:
+                return None if a.replaced else []
+            due = [p for p in a.outbox.values() if p.delivered is None or now - p.delivered >= self.redeliver_s]
+            if not due:
+                return False
+            for p in due:
+                p.delivered = now
+            return [p.command(now) for p in due]
+
+    def poll_close(self, a: AgentLine, waker: Callable[[], None]) -> None:
+        with self.lock:
+            a.polling -= 1
+            a.last_seen = time.monotonic()
+            try:
+                a.wakers.remove(waker)
+            except ValueError:
+                pass
 
     def _put(self, a: AgentLine, res: Result) -> None:
         a.last_seen = time.monotonic()
@@ -287,5 +335,5 @@ class Hub:
         with self.lock:
             self.closed = True
             for a in self.lines.values():
-                a.cond.notify_all()
+                self._wake(a)
             self.results_cond.notify_all()
