@@ -395,6 +395,7 @@ class Server:
         self._stop: asyncio.Event | None = None
         self._done = threading.Event()
         self._started = False
+        self._closing = False
 
     @property
     def url(self) -> str:
@@ -439,6 +440,8 @@ class Server:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
+        if self._closing:  # shut down before it started serving
+            return
         srv = await self.loop.create_server(lambda: Connection(self), sock=self.socket, backlog=4096)
         await self._stop.wait()
         srv.close()
@@ -450,6 +453,7 @@ class Server:
 
     def shutdown(self) -> None:
         """Stops serving and closes every connection; returns once the loop ended."""
+        self._closing = True
         if not self._started:
             return
 
