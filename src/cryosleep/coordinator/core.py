@@ -48,9 +48,7 @@ class Coordinator:
         self.catalog = catalog
         self.cfg = cfg or ServiceConfig()
         self.log: Callable[[str], None] = log or _stderr_log
-        # a held poll looks at its connection a few times per lost_after_s (every 0.5 s wake-up of 2,048 held
-        # polls was 4,096 acquisitions of the hub's lock a second)
-        self.hub = Hub(self.cfg.redeliver_s, gone_check_s=max(0.5, self.cfg.lost_after_s / 4))
+        self.hub = Hub(self.cfg.redeliver_s)
         shared = SharedStore(catalog)  # written through, loaded back by a successor (coordinator/shared.py)
         self.board = Board(shared)  # multi-node restores meet here (coordinator/rendezvous.py)
         self.placements = Placements(store=shared)  # host daemons, and snapshots placed on them (placement.py)
@@ -165,15 +163,6 @@ class Coordinator:
         results = [Result.from_json(r) for r in body.get("results") or ()]
         wait = min(max(0.0, float(body.get("wait_s", self.cfg.poll_wait_s))), self.cfg.poll_wait_s)
         return inc, results, wait
-
-    def poll(self, agent_id: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """A long poll held in the calling thread (the HTTP server holds its polls on its event loop instead:
-        service.py)."""
-        inc, results, wait = self.poll_args(body)
-        cmds = self.hub.take(agent_id, inc, wait, gone, results)
-        if cmds is None:
-            raise self._unknown_agent(agent_id)
-        return {"commands": [c.to_json() for c in cmds]}
 
     def unknown_agent(self, agent_id: str) -> NotFound:
         return self._unknown_agent(agent_id)
