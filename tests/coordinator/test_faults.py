@@ -93,9 +93,15 @@ def test_resume_fails_once_then_the_rollback_rebuilds(env: Env) -> None:
     s = env.client().snapshot("sim", timeout_s=20)
     assert s["state"] == "failed" and "id lost" in s["error"]["why"]
     assert "rollback_problems" not in (s["error"].get("details") or {})
-    for n in c.nodes:
+    for i, n in enumerate(c.nodes):
         ops = n.ops_of(s["id"])
-        assert ops.count("relay") == 2 and ops[-3:] == ["resume", "relay", "run"], ops
+        # the relay round stops at node 2's failure: another node's relay still queued then is cancelled, never
+        # run (whether its poll took it first is a race); one taken runs at most once, before or (its thread
+        # started late) just after the abort. Node 2 ran its own once. Then the rollback's rebuild everywhere.
+        first, rebuild = ops[:-3], ops[-3:]
+        assert rebuild == ["resume", "relay", "run"], ops
+        assert first.count("abort") == 1 and first.count("resume") == 1, ops
+        assert first.count("relay") in ((1,) if i == 2 else (0, 1)), ops
     wait_for(c.all_running, 10, "every rank running again")
     assert env.client().job("sim")["state"] == "running"
 

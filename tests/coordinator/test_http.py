@@ -4,13 +4,15 @@ never taken for the next request)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
-from tests.coordinator.helpers import Env
+from tests.coordinator.helpers import FAST, Env, serving, wait_for
 
 
 def connect(env: Env) -> socket.socket:
@@ -101,3 +103,26 @@ def test_a_chunked_body_is_refused_and_the_connection_closed(env: Env) -> None:
         assert status == 411 and hdrs.get("connection") == "close"
         assert r.closed()
     assert env.coordinator.catalog.jobs() == []  # nothing of the chunked body was taken as a request
+
+
+def test_a_held_poll_ends_as_soon_as_its_client_closes(tmp_path: Path) -> None:
+    """The poll is held for 30 s; its client closing ends it at once (the event loop sees the connection go), not
+    when its wait runs out: the agent is counted out of the open polls, and so lost after --lost-after."""
+    cfg = dataclasses.replace(FAST, poll_wait_s=30.0)
+    with serving(tmp_path, cfg) as env:
+        polls = lambda: env.coordinator.hub.stats(cfg.lost_after_s)[2]  # noqa: E731
+        with connect(env) as s:
+            r = Reader(s)
+            body = register_body()
+            s.sendall(request("POST", "/v1/agents/register", [f"Authorization: Bearer {env.token}",
+                                                              f"Content-Length: {len(body)}"], body))
+            assert r.answer()[0] == 200
+            poll = json.dumps({"incarnation": "i1", "wait_s": 30}).encode()
+            s.sendall(request("POST", "/v1/agents/hx@0/poll", [f"Authorization: Bearer {env.token}",
+                                                               f"Content-Length: {len(poll)}"], poll))
+            wait_for(lambda: polls() == 1, 10, "the poll held")
+            r.file.close()  # its buffered reader holds the socket open too
+        gone = time.monotonic()
+        wait_for(lambda: polls() == 0, 10, "the poll ended")
+        assert time.monotonic() - gone < 5, "the poll was held on after its client closed"
+        wait_for(lambda: not env.coordinator.hub.alive("hx@0", cfg.lost_after_s), 10, "the agent counted out")

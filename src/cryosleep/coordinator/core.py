@@ -50,9 +50,7 @@ class Coordinator:
         self.catalog = catalog
         self.cfg = cfg or ServiceConfig()
         self.log: Callable[[str], None] = log or _stderr_log
-        # a held poll looks at its connection a few times per lost_after_s (every 0.5 s wake-up of 2,048 held
-        # polls was 4,096 acquisitions of the hub's lock a second)
-        self.hub = Hub(self.cfg.redeliver_s, gone_check_s=max(0.5, self.cfg.lost_after_s / 4))
+        self.hub = Hub(self.cfg.redeliver_s)
         shared = SharedStore(catalog)  # written through, loaded back by a successor (coordinator/shared.py)
         self.board = Board(shared)  # multi-node restores meet here (coordinator/rendezvous.py)
         self.placements = Placements(store=shared)  # host daemons, and snapshots placed on them (placement.py)
@@ -165,14 +163,15 @@ class Coordinator:
                         "the coordinator restarted, or a newer incarnation of this agent registered",
                         "register again (POST /v1/agents/register)", reregister=True)
 
-    def poll(self, agent_id: str, body: dict[str, Any], gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    def poll_args(self, body: dict[str, Any]) -> tuple[str, list[Result], float]:
+        """A poll's incarnation, the results it carries and how long it may be held."""
         inc = str(body.get("incarnation", ""))
         results = [Result.from_json(r) for r in body.get("results") or ()]
         wait = min(max(0.0, float(body.get("wait_s", self.cfg.poll_wait_s))), self.cfg.poll_wait_s)
-        cmds = self.hub.take(agent_id, inc, wait, gone, results)
-        if cmds is None:
-            raise self._unknown_agent(agent_id)
-        return {"commands": [c.to_json() for c in cmds]}
+        return inc, results, wait
+
+    def unknown_agent(self, agent_id: str) -> NotFound:
+        return self._unknown_agent(agent_id)
 
     def leave(self, agent_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """The agent goes (its job ended on its node): counted out at once, with its reason."""

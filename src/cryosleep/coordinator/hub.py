@@ -4,9 +4,10 @@ Each registered agent (one incarnation of it) has an outbox of commands not yet 
 the commands that are due (never delivered, or delivered ``redeliver_s`` ago without an answer: at least
 once); a result removes its command and wakes whoever waits for it. An agent is alive while it has a poll
 open, or polled within ``lost_after_s``; one that said it leaves (``leave``: its job ended on its node, so the
-agent exits) is not, from that moment, and says why. Everything here is guarded by one lock; each agent has its own
-condition so that a result or a command wakes only the threads concerned (128 pollers do not all wake for
-each of 128 results).
+agent exits) is not, from that moment, and says why. Everything here is guarded by one lock. A poll is held on
+the HTTP server's event loop (coordinator/httpserver.py), not in a thread: ``poll_open``, ``poll_due`` and
+``poll_close``, woken through the waker it registered, so that a command wakes only its own agent's poll and
+a result only the round's waiter (once all its answers are in).
 """
 
 from __future__ import annotations
@@ -43,23 +44,22 @@ class AgentLine:
     job: str
     node_rank: int
     incarnation: str
-    cond: threading.Condition
     outbox: dict[str, Pending] = field(default_factory=dict)
     last_seen: float = 0.0
     polling: int = 0
     replaced: bool = False
     left: str | None = None  # why the agent left (its job ended there), or None
+    wakers: list[Callable[[], None]] = field(default_factory=list)  # held polls on an event loop (poll_open)
 
 
 class Hub:
-    def __init__(self, redeliver_s: float = REDELIVER_S, gone_check_s: float = 0.5) -> None:
+    def __init__(self, redeliver_s: float = REDELIVER_S) -> None:
         self.lock = threading.RLock()
         self.results_cond = threading.Condition(self.lock)
         self.lines: dict[str, AgentLine] = {}
         self.results: dict[tuple[str, str], Result] = {}
         self.arrivals: dict[str, list[tuple[str, Result]]] = {}  # command id -> (agent, result), arrival order
         self.redeliver_s = redeliver_s
-        self.gone_check_s = gone_check_s  # how often a held poll checks that its client is still connected
         self.seen_wall: dict[str, float] = {}  # heartbeats not yet written to the catalog
         self.expected: dict[str, int] = {}  # command id -> answers its round waits for (send_round)
         self.closed = False
@@ -75,9 +75,8 @@ class Hub:
                 return
             if old is not None:
                 old.replaced = True
-                old.cond.notify_all()
-            self.lines[agent_id] = AgentLine(agent_id, job, node_rank, incarnation, threading.Condition(self.lock),
-                                             last_seen=time.monotonic())
+                self._wake(old)
+            self.lines[agent_id] = AgentLine(agent_id, job, node_rank, incarnation, last_seen=time.monotonic())
             self.results_cond.notify_all()
 
     def line(self, agent_id: str) -> AgentLine | None:
@@ -111,7 +110,7 @@ class Hub:
             if a is None or a.incarnation != incarnation:
                 return False
             a.left = reason or "its agent left"
-            a.cond.notify_all()
+            self._wake(a)
             self.results_cond.notify_all()
             return True
 
@@ -131,7 +130,7 @@ class Hub:
             if cmd_id in a.outbox or (agent_id, cmd_id) in self.results:
                 return  # already queued or answered: sending again is a no-op
             a.outbox[cmd_id] = Pending(cmd_id, snapshot, job, op, args, deadline)
-            a.cond.notify_all()
+            self._wake(a)
 
     def send_round(self, cmd_id: str, snapshot: str, job: str, op: Op, args: Mapping[str, dict[str, Any]],
                    deadline: float) -> None:
@@ -156,49 +155,53 @@ class Hub:
             if a is not None:
                 a.outbox.pop(cmd_id, None)
 
-    def take(self, agent_id: str, incarnation: str, wait_s: float, gone: Callable[[], bool] = lambda: False,
-             results: Sequence[Result] = ()) -> list[Command] | None:
-        """A long poll: records the ``results`` it carries, then returns the commands due for this agent, or []
-        after ``wait_s``; None when this incarnation is not (or no longer) the registered one (the agent must
-        register again). One lock acquisition for the results and the commands: with thousands of agents polling,
-        the lock is what they contend for. A held poll wakes every ``gone_check_s`` to check, outside the lock,
-        that its client is still connected."""
+    @staticmethod
+    def _wake(a: AgentLine) -> None:
+        for w in a.wakers:
+            w()
+
+    def poll_open(self, agent_id: str, incarnation: str, results: Sequence[Result],
+                  waker: Callable[[], None]) -> AgentLine | None:
+        """A long poll begins: records the ``results`` it carries (with its commands, one lock acquisition
+        each: with thousands of agents polling, the lock is what they share) and counts the poll open;
+        ``waker()`` (called under the lock, from any thread) whenever ``poll_due`` may have something new. None
+        when this incarnation is not (or no longer) the registered one, or it left (the agent must register
+        again). Every open poll is closed with ``poll_close``."""
         with self.lock:
             a = self.lines.get(agent_id)
             if a is None or a.incarnation != incarnation or a.left is not None:
-                return None  # a poll after leaving: it registers again to be counted alive
+                return None
             for res in results:
                 self._put(a, res)
             a.polling += 1
+            a.wakers.append(waker)
+            return a
+
+    def poll_due(self, a: AgentLine) -> list[Command] | bool | None:
+        """An open poll looks: the commands due (never delivered, or delivered ``redeliver_s`` ago without an
+        answer), [] when it should answer with none (the hub closed, the agent left), None when its incarnation
+        was replaced, False when it should go on waiting (until woken, or ``redeliver_s`` at most)."""
+        with self.lock:
+            now = time.monotonic()
+            a.last_seen = now
+            self.seen_wall[a.agent_id] = time.time()
+            if a.replaced or self.closed or a.left is not None:
+                return None if a.replaced else []
+            due = [p for p in a.outbox.values() if p.delivered is None or now - p.delivered >= self.redeliver_s]
+            if not due:
+                return False
+            for p in due:
+                p.delivered = now
+            return [p.command(now) for p in due]
+
+    def poll_close(self, a: AgentLine, waker: Callable[[], None]) -> None:
+        with self.lock:
+            a.polling -= 1
+            a.last_seen = time.monotonic()
             try:
-                end = time.monotonic() + wait_s
-                while True:
-                    now = time.monotonic()
-                    a.last_seen = now
-                    self.seen_wall[agent_id] = time.time()
-                    if a.replaced or self.closed or a.left is not None:
-                        return None if a.replaced else []
-                    due = [p for p in a.outbox.values()
-                           if p.delivered is None or now - p.delivered >= self.redeliver_s]
-                    if due:
-                        for p in due:
-                            p.delivered = now
-                        return [p.command(now) for p in due]
-                    left = end - now
-                    if left <= 0:
-                        return []
-                    if a.cond.wait(min(left, self.gone_check_s, self.redeliver_s)):
-                        continue  # woken: a command or a change, no need to look at the connection
-                    self.lock.release()  # a select() on the socket: not while every other poll waits for the lock
-                    try:
-                        lost = gone()
-                    finally:
-                        self.lock.acquire()
-                    if lost:
-                        return []
-            finally:
-                a.polling -= 1
-                a.last_seen = time.monotonic()
+                a.wakers.remove(waker)
+            except ValueError:
+                pass
 
     def _put(self, a: AgentLine, res: Result) -> None:
         a.last_seen = time.monotonic()
@@ -287,5 +290,5 @@ class Hub:
         with self.lock:
             self.closed = True
             for a in self.lines.values():
-                a.cond.notify_all()
+                self._wake(a)
             self.results_cond.notify_all()

@@ -1,9 +1,9 @@
 """`cryosleep coordinator serve`: the catalog, the agents' connections and the snapshot machines behind one
-HTTP API (standard library ``ThreadingHTTPServer``, HTTP/1.1 keep-alive, one thread per connection).
+HTTP API (coordinator/httpserver.py: HTTP/1.1 keep-alive on one asyncio event loop; the agents' long polls are
+held on the loop, the routes that touch the catalog or may wait run in a thread pool).
 
 Every agent's poll is a request, so the per-request cost bounds a snapshot of thousands of nodes
-(docs/benchmarks.md): the handler reads the request line and headers itself (the standard library parses
-headers with the ``email`` package, about half of a request's CPU) and writes each response with one send.
+(docs/benchmarks.md).
 
 
 Every request but ``GET /v1/health`` carries ``Authorization: Bearer CREDENTIAL``, checked before it is routed
@@ -36,22 +36,17 @@ Clients::
 
 from __future__ import annotations
 
-import email.utils
-import http
 import json
 import re
-import select
-import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from cryosleep.coordinator import security
+from cryosleep.coordinator import httpserver, security
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
 from cryosleep.coordinator.metrics import CONTENT_TYPE_LATEST
@@ -109,190 +104,143 @@ ROUTES: list[Route] = [
 ]
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024
-    allow_reuse_address = True
+class Server(httpserver.Server):
+    """The coordinator's HTTP server (coordinator/httpserver.py: one event loop for every connection)."""
 
     def __init__(self, addr: tuple[str, int], coordinator: Coordinator, gate: security.Gate,
                  tls: ssl.SSLContext | None = None) -> None:
         self.coordinator = coordinator
         self.gate = gate
-        self.tls = tls
         self.lease: Lease | None = None
-        super().__init__(addr, Handler)
-        if tls is not None:  # the handshake is each connection's thread's, never the accepting one's
-            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a failed TLS handshake, a client gone: nothing to answer, nothing to keep
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"{'https' if self.tls else 'http'}://{host!s}:{port}"
+        super().__init__(addr, Api(self), tls, max_buffer=gate.max_body)
 
 
-_PHRASES = {int(st): st.phrase for st in http.HTTPStatus}
-_date: list[Any] = [0, ""]
+ROUTE_NAMES = frozenset(n for _, _, n in ROUTES)
+FAST_ROUTES = frozenset({"health", "poll", "results"})
+"""Answered on the event loop: the hub's lock only, never the catalog (the rest run in the server's threads)."""
 
 
-def _http_date() -> str:
-    now = int(time.time())
-    if _date[0] != now:
-        _date[:] = [now, email.utils.formatdate(now, usegmt=True)]
-    return str(_date[1])
+class Api:
+    """The routes behind the security gate, for coordinator/httpserver.py: every request is admitted by the gate
+    from its head, before its body is read (401, 429, 413, 411: answered, the connection closed); agents'
+    polls are held on the event loop, woken by the hub; the routes that touch the catalog or may wait run in
+    the server's thread pool."""
 
+    def __init__(self, server: Server) -> None:
+        self.server = server
 
-class _Lower:
-    """The handler's headers (names in lower case) as the gate asks for them (any case)."""
+    def head(self, req: httpserver.Request) -> httpserver.Response | None:
+        url = urlsplit(req.target)
+        adm = self.server.gate.admit(req.method, url.path, req, req.peer)  # security.py
+        if adm.error is not None:  # refused before routing, its body unread
+            route = adm.route or next((n for m, p, n in ROUTES if m == req.method and p.match(url.path)), "unknown")
+            return self._response(route, adm.status, adm.error.to_json(), adm.headers)
+        req.state = adm
+        return None
 
-    def __init__(self, hdrs: dict[str, str]) -> None:
-        self.hdrs = hdrs
+    def handle(self, req: httpserver.Request) -> httpserver.Response | Awaitable[httpserver.Response]:
+        adm: security.Admission = req.state
+        url = urlsplit(req.target)
+        route = adm.route or "unknown"
+        try:
+            if adm.route not in ROUTE_NAMES:
+                paths_known = [p for _, p, _ in ROUTES if p.match(url.path)]
+                if paths_known:
+                    raise UsageError(f"{req.method} is not allowed on {url.path}", "", "see docs/coordinator.md")
+                raise NotFound(f"no such endpoint {url.path}", "", "see docs/coordinator.md for the API")
+            try:
+                body = json.loads(req.body) if req.body else {}
+            except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+                raise UsageError("the request body is not JSON", str(e), "") from e
+            query = parse_qs(url.query)
+            self.server.gate.check(adm, body, query)
+            if route == "poll":
+                return self._poll(req, adm, body)
+            if route in FAST_ROUTES:
+                return self._ok(adm, body, self._route(route, adm.params, query, body, req.conn))
+            return self._blocking(req, adm, body, query)
+        except Exception as e:
+            return self._error(route, req, e)
 
-    def get(self, name: str, default: None = None) -> str | None:
-        return self.hdrs.get(name.lower(), default)
+    def failed(self, req: httpserver.Request, e: BaseException) -> httpserver.Response:
+        adm = req.state
+        return self._error(adm.route if adm is not None and adm.route else "unknown", req, e)
 
+    # ---- answers ----------------------------------------------------------------------------------------------
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: Server
-    hdrs: dict[str, str]
-    """The request's headers, names in lower case."""
-    raw_requestline: bytes  # set by BaseHTTPRequestHandler.handle_one_request
-
-    def parse_request(self) -> bool:
-        """The request line and headers, read plainly; anything unusual goes to the standard library's parser."""
-        line = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
-        parts = line.split()
-        if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
-            ok = super().parse_request()
-            self.hdrs = {k.lower(): v for k, v in self.headers.items()} if ok else {}
-            return ok and self._length_given()
-        self.requestline = line
-        self.command, self.path, self.request_version = parts
-        hdrs: dict[str, str] = {}
-        while True:
-            raw = self.rfile.readline(65537)
-            if len(raw) > 65536 or len(hdrs) > 100:
-                self.send_error(431, "Request header fields too large")
-                return False
-            if raw in (b"\r\n", b"\n", b""):
-                break
-            name, sep, value = str(raw, "iso-8859-1").partition(":")
-            if not sep or not name.strip():
-                self.send_error(400, "Bad request header", repr(raw[:80]))
-                return False
-            hdrs[name.strip().lower()] = value.strip()
-        self.hdrs = hdrs
-        conn = hdrs.get("connection", "").lower()
-        self.close_connection = conn == "close" or (self.request_version == "HTTP/1.0" and conn != "keep-alive")
-        if not self._length_given():
-            return False
-        if hdrs.get("expect", "").lower() == "100-continue":
-            return self.handle_expect_100()
-        return True
-
-    def _length_given(self) -> bool:
-        """A body comes with Content-Length. A chunked one (no client of ours sends it) is refused with 411 and
-        the connection closed: reading on, its chunks would be taken for the next request."""
-        if "transfer-encoding" not in self.hdrs:
-            return True
-        self.send_error(411, "Length Required", "send the body with Content-Length (chunked bodies are not read)")
-        return False
-
-    def setup(self) -> None:
-        if isinstance(self.request, ssl.SSLSocket):
-            self.request.settimeout(30.0)
-            self.request.do_handshake()
-            self.request.settimeout(None)
-        super().setup()
-        # a response is written as headers then body: without this, Nagle's algorithm and the client's delayed
-        # ACK hold the body back ~40 ms
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # one line per poll would drown the log
-
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    route = "unknown"
-
-    def _send(self, status: int, body: Any, headers: dict[str, str] | None = None,
-              content_type: str = "application/json") -> None:
+    def _response(self, route: str, status: int, body: Any, headers: dict[str, str] | None = None,
+                  content_type: str = "application/json") -> httpserver.Response:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         m = self.server.coordinator.metrics
-        m.request(self.route, status)
+        m.request(route, status)
         if status >= 400:
             m.errors.labels(body.get("error", "error") if isinstance(body, dict) else "error").inc()
-        head = [f"HTTP/1.1 {status} {_PHRASES.get(status, '')}", "Server: cryosleep", f"Date: {_http_date()}",
-                f"Content-Type: {content_type}", f"Content-Length: {len(data)}"]
-        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)  # one send, not two
+        return httpserver.Response(status, data, headers or {}, content_type)
 
-    def _gone(self) -> bool:
-        """The client closed its connection (a lost agent's long poll): readable with nothing to read."""
+    def _ok(self, adm: security.Admission, body: dict[str, Any], result: Any) -> httpserver.Response:
+        if adm.route == "metrics":
+            return self._response("metrics", 200, result, content_type=CONTENT_TYPE_LATEST)
+        return self._response(adm.route, 200, self.server.gate.answer(adm, body, result))
+
+    def _error(self, route: str, req: httpserver.Request, e: BaseException) -> httpserver.Response:
+        if isinstance(e, CryosleepError):
+            return self._response(route, STATUS.get(e.kind, 500), e.to_json())
+        err = CryosleepError("the coordinator failed", f"{type(e).__name__}: {e}", "see the coordinator's log")
+        self.server.coordinator.log(f"{req.method} {urlsplit(req.target).path}: {type(e).__name__}: {e}")
+        return self._response(route, 500, err.to_json())
+
+    async def _blocking(self, req: httpserver.Request, adm: security.Admission, body: dict[str, Any],
+                        query: dict[str, list[str]]) -> httpserver.Response:
+        def run() -> Any:
+            if adm.route == "metrics":
+                return self.server.coordinator.metrics.render()
+            result = self._route(adm.route, adm.params, query, body, req.conn)
+            return self.server.gate.answer(adm, body, result)
+
+        result = await self.server.run_blocking(run)
+        if adm.route == "metrics":
+            return self._response("metrics", 200, result, content_type=CONTENT_TYPE_LATEST)
+        return self._response(adm.route, 200, result)
+
+    async def _poll(self, req: httpserver.Request, adm: security.Admission,
+                    body: dict[str, Any]) -> httpserver.Response:
+        """An agent's long poll, held on the loop: the hub wakes it (a command, a change), or its client goes."""
+        c = self.server.coordinator
+        agent = adm.params["agent"]
+        inc, results, wait = c.poll_args(body)
+        wake = self.server.wakeup()
+        line = c.hub.poll_open(agent, inc, results, wake)
+        if line is None:
+            raise c.unknown_agent(agent)
+        conn = req.conn
+        conn.waiting = wake  # its client closing wakes it
         try:
-            r, _, _ = select.select([self.connection], [], [], 0)
-            return bool(r) and socket.socket.recv(self.connection, 1, socket.MSG_PEEK) == b""  # TLS too
-        except OSError:
-            return True
+            end = time.monotonic() + wait
+            while True:
+                got = c.hub.poll_due(line)
+                if got is None:
+                    raise c.unknown_agent(agent)
+                if got is not False:
+                    break
+                left = end - time.monotonic()
+                if left <= 0 or conn.gone:
+                    got = []
+                    break
+                await wake.wait(min(left, c.hub.redeliver_s))
+        finally:
+            conn.waiting = None
+            c.hub.poll_close(line, wake)
+        assert isinstance(got, list)
+        return self._ok(adm, body, {"commands": [cmd.to_json() for cmd in got]})
 
-    def _dispatch(self, method: str) -> None:
-        url = urlsplit(self.path)
-        adm = self.server.gate.admit(method, url.path, _Lower(self.hdrs), self.client_address[0])  # security.py
-        if adm.error is not None:  # refused before routing, its body unread
-            self.route = adm.route or next((n for m, p, n in ROUTES if m == method and p.match(url.path)), "unknown")
-            self.close_connection = True
-            self._send(adm.status, adm.error.to_json(), adm.headers)
-            return
-        try:
-            n = int(self.hdrs.get("content-length") or 0)
-            raw = self.rfile.read(n) if n else b""
-            self.route = "unknown"
-            for m, pattern, name in ROUTES:
-                match = pattern.match(url.path)
-                if match is None or m != method:
-                    continue
-                self.route = name
-                try:
-                    body = json.loads(raw) if raw else {}
-                except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
-                    raise UsageError("the request body is not JSON", str(e), "") from e
-                query = parse_qs(url.query)
-                self.server.gate.check(adm, body, query)
-                if name == "metrics":
-                    self._send(200, self.server.coordinator.metrics.render(), content_type=CONTENT_TYPE_LATEST)
-                    return
-                result = self._route(name, adm.params, query, body)
-                self._send(200, self.server.gate.answer(adm, body, result))
-                return
-            paths_known = [p for _, p, _ in ROUTES if p.match(url.path)]
-            if paths_known:
-                raise UsageError(f"{method} is not allowed on {url.path}", "", "see docs/coordinator.md")
-            raise NotFound(f"no such endpoint {url.path}", "", "see docs/coordinator.md for the API")
-        except CryosleepError as e:
-            self._send(STATUS.get(e.kind, 500), e.to_json())
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-        except Exception as e:  # a bug: answer, and keep serving
-            err = CryosleepError("the coordinator failed", f"{type(e).__name__}: {e}", "see the coordinator's log")
-            self.server.coordinator.log(f"{method} {url.path}: {type(e).__name__}: {e}")
-            self._send(500, err.to_json())
-
-    def _route(self, name: str, p: dict[str, str], q: dict[str, list[str]], body: dict[str, Any]) -> Any:
+    def _route(self, name: str, p: dict[str, str], q: dict[str, list[str]], body: dict[str, Any],
+               conn: httpserver.Connection) -> Any:
         c = self.server.coordinator
         valid = (q.get("valid") or ["0"])[0] in ("1", "true", "yes")
         if name == "health":
             return {"ok": True, "protocol": PROTOCOL_VERSION}
         if name == "register":
             return c.register(body)
-        if name == "poll":
-            return c.poll(p["agent"], body, self._gone)
         if name == "results":
             return c.results(p["agent"], body)
         if name == "leave":
@@ -332,7 +280,7 @@ class Handler(BaseHTTPRequestHandler):
         if name == "host_poll":
             facts = body.get("facts")
             return c.placements.poll(p["host"], facts if isinstance(facts, dict) else {},
-                                     float(body.get("wait_s", 0.0)), self._gone)
+                                     float(body.get("wait_s", 0.0)), lambda: conn.gone)
         if name == "order":
             return c.placements.report(p["oid"], body)
         if name == "snapshots":
@@ -378,7 +326,7 @@ def start(listen: str, db: Path | str, token: str | security.Credentials, cfg: S
     srv.lease = lease
     lease.address = srv.url
     lease.try_take()  # renewed now, with the address it serves on (what a standby and an operator read)
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True)
+    t = threading.Thread(target=srv.serve_forever, name="http", daemon=True)
     t.start()
 
     def lost(why: str) -> None:
