@@ -56,7 +56,7 @@ from cryosleep.coordinator.protocol import (
     targets_to_json,
     views_from_json,
 )
-from cryosleep.cut.rules import Action, CommTarget, Decision, RankView, decide
+from cryosleep.cut.rules import Action, Decision, RankView, Targets, to_cut
 from cryosleep.errors import CaptureFailed, CryosleepError
 from cryosleep.timing import Phases
 
@@ -212,30 +212,28 @@ class SnapshotSequence:
         hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
         out = self.gather(Op.HOLD, {"gen": gen, "hold_s": hold_s}, self.deadline)
         views = {n: views_from_json(d) for n, d in out.ok.items()}
-        floor: dict[int, CommTarget] = {}
-        while True:
-            every: list[RankView] = [v for n in self.nodes for v in views[n]]
-            d = decide(time.monotonic(), self.deadline, every, floor)
-            self.cut = d
-            if d.action is Action.DONE:
-                self.catalog.event("cut", f"{d.reason}, after {self.rounds} round(s)", job=self.job,
-                                   snapshot=self.sid)
-                return d
-            if d.action is Action.GIVE_UP:
-                raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
-                                    "every node was resumed; snapshot again later, or with a longer --timeout",
-                                    ranks=sorted({v.rank for v in every if not (v.answered and v.settled)}))
-            self.rounds += 1
-            if d.action is Action.WRITE:
-                floor = d.targets
+
+        def ask(round_: int, targets: Targets | None) -> list[RankView]:
+            """One round on every node: its share of the targets written, or a short wait; their fresh views."""
+            self.rounds = round_
+            if targets is not None:
                 idents = {n: {s.ident for v in views[n] for s in v.comms} for n in self.nodes}
-                per_node = {n: {"round": self.rounds, "targets": targets_to_json(targets_for(d.targets, idents[n]))}
+                per_node = {n: {"round": round_, "targets": targets_to_json(targets_for(targets, idents[n]))}
                             for n in self.nodes}
-                out = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
+                got = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
             else:
-                out = self.gather(Op.REPORT, {"round": self.rounds, "wait_s": self.cfg.report_wait_s},
-                                  self.deadline)
-            views = {n: views_from_json(dd) for n, dd in out.ok.items()}
+                got = self.gather(Op.REPORT, {"round": round_, "wait_s": self.cfg.report_wait_s}, self.deadline)
+            views.update({n: views_from_json(d) for n, d in got.ok.items()})
+            return [v for n in self.nodes for v in views[n]]
+
+        d, every, _ = to_cut([v for n in self.nodes for v in views[n]], ask, self.deadline, time.monotonic)
+        self.cut = d
+        if d.action is Action.GIVE_UP:
+            raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
+                                "every node was resumed; snapshot again later, or with a longer --timeout",
+                                ranks=sorted({v.rank for v in every if not (v.answered and v.settled)}))
+        self.catalog.event("cut", f"{d.reason}, after {self.rounds} round(s)", job=self.job, snapshot=self.sid)
+        return d
 
     def quiesce(self) -> None:
         self.at_cut = True
