@@ -127,3 +127,22 @@ def test_aws_settings_from_env_and_files(tmp_path: Path) -> None:
            "AWS_REGION": "ap-south-1", "CRYOSLEEP_S3_ENDPOINT": "http://127.0.0.1:1/"}
     assert aws_settings(env) == {"access_key_id": "AK3", "secret_access_key": "S3", "session_token": "T",
                                  "region": "ap-south-1", "endpoint": "http://127.0.0.1:1"}
+
+
+def test_a_store_url_names_its_backend_by_scheme() -> None:
+    """store.urls.SCHEMES is where a backend is named: its scheme is remote, folded slashes mended, the module
+    imported only for its URLs; other schemes are refused with the list."""
+    from cryosleep.store import urls
+    from cryosleep.store.backend import LocalBackend
+    from cryosleep.store.s3 import S3Backend
+
+    assert urls.normalize_url("s3:/bucket/p") == "s3://bucket/p" and urls.is_remote("s3:/bucket")
+    assert not urls.is_remote("/srv/store") and not urls.is_remote(None)
+    b = urls.open_backend("s3:/bucket/a/b")
+    assert isinstance(b, S3Backend) and (b.bucket, b.prefix) == ("bucket", "a/b")
+    assert isinstance(urls.open_backend("/srv/store"), LocalBackend)
+    with pytest.raises(UsageError, match="unsupported store URL") as e:
+        urls.open_backend("gs://bucket")
+    assert "s3" in e.value.why
+    with pytest.raises(UsageError, match="invalid store URL"):
+        urls.open_backend("s3://")

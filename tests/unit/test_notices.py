@@ -171,3 +171,20 @@ def test_make_watcher_defaults_to_the_documented_endpoints() -> None:
     assert notices.make_watcher("aws").base == "http://169.254.169.254"
     assert notices.make_watcher("gce").base == "http://metadata.google.internal"
     assert notices.make_watcher("azure", "http://127.0.0.1:9/").base == "http://127.0.0.1:9"
+
+
+def test_every_source_comes_from_the_one_list() -> None:
+    """A source is named once, in WATCHERS: the CLI's --notices and --notice-url, --notices auto and the runner's
+    options (the long poll for gce) come from its class."""
+    from cryosleep.cli.main import parse
+    from cryosleep.cli.triggers import trigger_config
+
+    assert tuple(w.source for w in notices.WATCHERS) == notices.SOURCES and len(set(notices.SOURCES)) >= 3
+    assert all(notices.DEFAULT_URLS[w.source] == w.default_url.rstrip("/") != "" for w in notices.WATCHERS)
+    gce = notices.make_watcher("gce", interval=1.0)
+    assert isinstance(gce, GceWatcher) and gce.long_poll  # the runner's option
+    assert not notices.make_watcher("gce", long_poll=False).long_poll  # the caller's comes first
+    argv = ["run", "--notices", ",".join(notices.SOURCES),
+            *[a for s in notices.SOURCES for a in ("--notice-url", f"{s}=http://127.0.0.1:9")], "train.py"]
+    cfg = trigger_config(parse(argv))
+    assert cfg.notices == list(notices.SOURCES) and set(cfg.notice_urls) == set(notices.SOURCES)

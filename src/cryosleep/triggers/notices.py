@@ -11,6 +11,10 @@ Each watcher's ``check()`` asks its endpoint once and returns a Notice or None, 
 when the endpoint cannot be read; ``watch()`` polls until a notice comes or it is stopped, logging endpoint
 errors and retrying: a metadata service that misbehaves never takes the agent down. Only the standard
 library's urllib speaks HTTP here. ``probe()`` finds which cloud's endpoint answers (``--notices auto``).
+
+A new source is one ``Watcher`` subclass here (its name, its documented endpoint, how to tell that endpoint
+answers, how to read a notice and its deadline) named in ``WATCHERS``: the CLI's ``--notices`` and
+``--notice-url``, ``--notices auto`` and the trigger runner take it from there.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "DEFAULT_URLS",
     "SOURCES",
+    "WATCHERS",
     "AwsWatcher",
     "AzureWatcher",
     "GceWatcher",
@@ -39,13 +44,6 @@ __all__ = [
     "probe",
 ]
 
-SOURCES = ("aws", "gce", "azure")
-# The documented link-local metadata endpoints (`--notice-url SOURCE=URL` replaces one).
-DEFAULT_URLS = {
-    "aws": "http://169.254.169.254",
-    "gce": "http://metadata.google.internal",
-    "azure": "http://169.254.169.254",
-}
 GCE_NOTICE_S = 30.0  # Compute Engine stops a preempted VM 30 s after the notice
 AZURE_MIN_S = 30.0  # Spot eviction: NotBefore at least 30 s after the event appears
 AWS_DEFAULT_S = 120.0  # spot interruption notices come 2 minutes ahead, when the time cannot be read
@@ -100,19 +98,31 @@ def _http_date(text: str) -> float | None:
 
 
 class Watcher:
-    """One cloud's notice endpoint. Subclasses implement ``check``; ``done`` is called once the job is safe."""
+    """One cloud's notice endpoint. Subclasses implement ``check`` and ``answers``; ``done`` is called once the
+    job is safe."""
 
-    source = ""
+    source: ClassVar[str] = ""
+    """The name in ``--notices``, ``--notice-url SOURCE=URL`` and the trigger's ``notice:SOURCE``."""
+    default_url: ClassVar[str] = ""
+    """The cloud's documented link-local metadata endpoint (``--notice-url`` replaces it)."""
+    watch_options: ClassVar[dict[str, Any]] = {}
+    """Options the trigger runner watches with (``make_watcher`` applies them under the caller's)."""
 
     def __init__(self, base_url: str | None = None, *, interval: float = 5.0, timeout: float = 2.0,
                  clock: Callable[[], float] = time.time) -> None:
-        self.base = (base_url or DEFAULT_URLS[self.source]).rstrip("/")
+        self.base = (base_url or self.default_url).rstrip("/")
         self.interval = interval
         self.timeout = timeout
         self.clock = clock
         self.errors = 0  # consecutive endpoint errors
 
     def check(self) -> Notice | None:
+        raise NotImplementedError
+
+    @classmethod
+    def answers(cls, base: str, timeout: float) -> bool:
+        """The endpoint at ``base`` answers like this cloud's (``--notices auto``); raises NoticeEndpointError
+        when nothing answers."""
         raise NotImplementedError
 
     def done(self, notice: Notice, log: Log) -> None:
@@ -147,6 +157,7 @@ class AwsWatcher(Watcher):
     """EC2 spot instance-action through IMDSv2."""
 
     source = "aws"
+    default_url = "http://169.254.169.254"
     TOKEN_PATH = "/latest/api/token"
     ACTION_PATH = "/latest/meta-data/spot/instance-action"
 
@@ -168,6 +179,12 @@ class AwsWatcher(Watcher):
         self._token = body.decode().strip()
         self._token_expires = now + self.token_ttl * 0.9
         return self._token
+
+    @classmethod
+    def answers(cls, base: str, timeout: float) -> bool:
+        status, _, body = _request("PUT", base + cls.TOKEN_PATH, {"X-aws-ec2-metadata-token-ttl-seconds": "60"},
+                                   timeout)
+        return status == 200 and bool(body.strip())
 
     def check(self) -> Notice | None:
         for attempt in (1, 2):
@@ -199,6 +216,9 @@ class GceWatcher(Watcher):
     """Compute Engine ``instance/preempted``; ``long_poll`` uses wait_for_change (one request per change)."""
 
     source = "gce"
+    default_url = "http://metadata.google.internal"
+    # A long poll is answered the moment the value changes: the notice's 30 s are not spent polling.
+    watch_options: ClassVar[dict[str, Any]] = {"long_poll": True}
     PATH = "/computeMetadata/v1/instance/preempted"
 
     def __init__(self, base_url: str | None = None, *, long_poll: bool = False, long_poll_s: int = 60,
@@ -207,6 +227,11 @@ class GceWatcher(Watcher):
         self.long_poll = long_poll
         self.long_poll_s = long_poll_s
         self._etag = ""
+
+    @classmethod
+    def answers(cls, base: str, timeout: float) -> bool:
+        status, headers, _ = _request("GET", base + cls.PATH, {"Metadata-Flavor": "Google"}, timeout)
+        return status == 200 and headers.get("metadata-flavor", "").lower() == "google"
 
     def check(self) -> Notice | None:
         url, timeout = self.base + self.PATH, self.timeout
@@ -242,6 +267,7 @@ class AzureWatcher(Watcher):
     not known and cannot be read from the instance metadata)."""
 
     source = "azure"
+    default_url = "http://169.254.169.254"
     PATH = "/metadata/scheduledevents?api-version=2020-07-01"
     NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 
@@ -262,6 +288,11 @@ class AzureWatcher(Watcher):
             except NoticeEndpointError:
                 pass
         return self.vm_name
+
+    @classmethod
+    def answers(cls, base: str, timeout: float) -> bool:
+        status, _, body = _request("GET", base + cls.PATH, {"Metadata": "true"}, timeout)
+        return status == 200 and b"DocumentIncarnation" in body
 
     def check(self) -> Notice | None:
         status, _, body = _request("GET", self.base + self.PATH, {"Metadata": "true"}, self.timeout)
@@ -309,11 +340,17 @@ class AzureWatcher(Watcher):
             log(f"azure: acknowledged event {notice.event_id}")
 
 
-_WATCHERS: dict[str, type[Watcher]] = {"aws": AwsWatcher, "gce": GceWatcher, "azure": AzureWatcher}
+# The sources, in the order ``--notices auto`` lists them: a new one is named here.
+WATCHERS: tuple[type[Watcher], ...] = (AwsWatcher, GceWatcher, AzureWatcher)
+SOURCES = tuple(w.source for w in WATCHERS)
+DEFAULT_URLS = {w.source: w.default_url for w in WATCHERS}
+_BY_SOURCE = {w.source: w for w in WATCHERS}
 
 
 def make_watcher(source: str, base_url: str | None = None, **kw: Any) -> Watcher:
-    return _WATCHERS[source](base_url, **kw)
+    """The watcher of ``source``, with its ``watch_options`` under ``kw``."""
+    cls = _BY_SOURCE[source]
+    return cls(base_url, **{**cls.watch_options, **kw})
 
 
 def probe(urls: Mapping[str, str] | None = None, timeout: float = 1.0) -> list[str]:
@@ -321,25 +358,15 @@ def probe(urls: Mapping[str, str] | None = None, timeout: float = 1.0) -> list[s
     urls = urls or {}
     found: list[str] = []
 
-    def ask(source: str) -> None:
-        base = (urls.get(source) or DEFAULT_URLS[source]).rstrip("/")
+    def ask(cls: type[Watcher]) -> None:
         try:
-            if source == "aws":
-                status, _, body = _request("PUT", base + AwsWatcher.TOKEN_PATH,
-                                           {"X-aws-ec2-metadata-token-ttl-seconds": "60"}, timeout)
-                ok = status == 200 and bool(body.strip())
-            elif source == "gce":
-                status, headers, _ = _request("GET", base + GceWatcher.PATH, {"Metadata-Flavor": "Google"}, timeout)
-                ok = status == 200 and headers.get("metadata-flavor", "").lower() == "google"
-            else:
-                status, _, body = _request("GET", base + AzureWatcher.PATH, {"Metadata": "true"}, timeout)
-                ok = status == 200 and b"DocumentIncarnation" in body
+            ok = cls.answers((urls.get(cls.source) or cls.default_url).rstrip("/"), timeout)
         except NoticeEndpointError:
             ok = False
         if ok:
-            found.append(source)
+            found.append(cls.source)
 
-    threads = [threading.Thread(target=ask, args=(s,), daemon=True) for s in SOURCES]
+    threads = [threading.Thread(target=ask, args=(w,), daemon=True) for w in WATCHERS]
     for t in threads:
         t.start()
     for t in threads:
