@@ -50,6 +50,7 @@ from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.protocol import (
     GEN_STRIDE,
+    ImageRef,
     Mode,
     Op,
     targets_for,
@@ -57,7 +58,7 @@ from cryosleep.coordinator.protocol import (
     views_from_json,
 )
 from cryosleep.cut.rules import Action, Decision, RankView, Targets, to_cut
-from cryosleep.errors import CaptureFailed, CryosleepError
+from cryosleep.errors import CaptureFailed, CryosleepError, ProtocolError
 from cryosleep.timing import Phases
 
 HOLD_GRACE_S = 5.0  # the interceptors release a HOLD this long after the snapshot's deadline
@@ -155,7 +156,7 @@ class SnapshotSequence:
         self.resumed = False
         self.rounds = 0
         self.cut: Decision | None = None
-        self.images: dict[int, dict[str, Any]] = {}
+        self.images: dict[int, ImageRef] = {}
         self.cancelled = False
         self.rolling_back = False
         self.error: CryosleepError | None = None  # why the run failed (it was rolled back)
@@ -193,7 +194,8 @@ class SnapshotSequence:
 
     def _save_nodes(self) -> None:
         for n, ph in self.node_phases.items():
-            self.catalog.update_node(self.sid, n, phases=ph, image=self.images.get(n))
+            image = self.images.get(n)
+            self.catalog.update_node(self.sid, n, phases=ph, image=image.to_json() if image is not None else None)
 
     def _save_states(self, states: dict[int, str]) -> None:
         for n, st in states.items():
@@ -286,11 +288,11 @@ class SnapshotSequence:
         out = self.gather(Op.PERSIST, {"mode": str(self.mode), "timeout_s": self.timeout_s, "verify": verify},
                           self.deadline)
         for n, d in out.ok.items():
-            image = d.get("image")
-            if not image:
-                raise CaptureFailed(f"node {n} persisted no image", "its answer names no image reference",
-                                    "the node agent is out of date?", node=n)
-            self.images[n] = dict(image)
+            try:
+                self.images[n] = ImageRef.from_json(d.get("image"))
+            except ProtocolError as e:
+                raise CaptureFailed(f"node {n} persisted no image", f"its answer's image: {e.why}",
+                                    "the node agent is out of date?", node=n) from e
 
     def stop(self) -> list[str]:
         out = self.gather(Op.STOP, {}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
@@ -438,7 +440,8 @@ class SnapshotRun(SnapshotSequence):
         self.incarnations = dict(incarnations)
 
     def _save_nodes(self) -> None:  # one transaction for every node
-        self.catalog.update_nodes(self.sid, {n: (ph, self.images.get(n)) for n, ph in self.node_phases.items()})
+        self.catalog.update_nodes(self.sid, {n: (ph, i.to_json() if (i := self.images.get(n)) is not None else None)
+                                             for n, ph in self.node_phases.items()})
 
     def _save_states(self, states: dict[int, str]) -> None:
         self.catalog.update_node_states(self.sid, states)
