@@ -336,7 +336,7 @@ class CoordinatedNode:
             self._gen(self.nccl, cmd)
         self.at_cut = True
         cap.quiesce()
-        return {"records": cap.nccl_info.get("ranks", [])}
+        return {"records": cap.nccl_info.to_json().get("ranks", [])}
 
     def net_hold(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._net_hold, cmd)

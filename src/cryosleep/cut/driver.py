@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
 
 from cryosleep.core.interceptor import Cmd, ControlBlock, Rebuild, SlotState, State
 from cryosleep.cut.rules import (
@@ -56,17 +55,6 @@ def read_view(rank: int, block: ControlBlock) -> RankView:
     return RankView(rank=rank, comms=comms, held=block.held, busy=block.busy, in_group=block.in_group,
                     targets_gen=targets_gen, settled_gen=settled_gen, settled=settled,
                     premul_live=block.premul_live)
-
-
-@dataclass
-class RankRecord:
-    """What the manifest keeps of one rank's interceptor at the cut."""
-
-    rank: int
-    ctl: str
-    pid: int
-    nccl_version: int
-    comms: list[dict[str, int]]
 
 
 class Driver:
@@ -460,14 +448,3 @@ class Driver:
         self.wait(State.HOLDING, gen, deadline, ranks)
         gen = self.command(Cmd.QUIESCE, ranks)
         self.wait(State.QUIESCED, gen, deadline, ranks)
-
-    # ---- records -----------------------------------------------------------------------------------
-
-    def records(self) -> list[RankRecord]:
-        out = []
-        for r, b in self.blocks.items():
-            comms = [{"ident": s.ident, "vid": s.vid, "rank": s.rank, "nranks": s.nranks, "seq": s.seq,
-                      "sent": sum(s.send), "received": sum(s.recv), "rebuild": s.rebuild, "state": s.state,
-                      "device": s.device} for s in b.comms()]
-            out.append(RankRecord(rank=r, ctl=str(b.path), pid=b.pid, nccl_version=b.nccl_version, comms=comms))
-        return out
