@@ -9,6 +9,9 @@
     azure  GET /metadata/scheduledevents?api-version=... needs Metadata: true (else 400): {"DocumentIncarnation",
            "Events"}; POST with {"StartRequests": [{"EventId"}]} approves events (they leave the document);
            /metadata/instance/compute/name?format=text gives the VM's name when one is set (else 404)
+    alibaba  ECS in security hardening mode: PUT /latest/api/token (X-aliyun-ecs-metadata-token-ttl-seconds)
+           gives a token; GET /latest/meta-data/instance/spot/termination-time needs it (else 401): 404 without
+           a notice, 200 with the release time (UTC, 2026-12-02T07:05:00Z)
 
 Faults for tests: ``fail_next`` requests answer 500; ``delay`` seconds before every answer; ``expire_tokens()``.
 """
@@ -27,7 +30,7 @@ from typing import Any
 
 class FakeCloud:
     def __init__(self, kind: str) -> None:
-        assert kind in ("aws", "gce", "azure")
+        assert kind in ("aws", "gce", "azure", "alibaba")
         self.kind = kind
         self.lock = threading.Condition()
         self.requests: list[tuple[str, str, dict[str, str]]] = []  # method, path, headers
@@ -38,6 +41,8 @@ class FakeCloud:
         self.token_puts = 0
         self.unauthorized = 0
         self.action: dict[str, str] | None = None
+        # alibaba (tokens as aws's)
+        self.termination_time: str | None = None
         # gce
         self.preempted = False
         # azure
@@ -111,6 +116,8 @@ class FakeCloud:
             if self.kind == "aws":
                 self.action = {"action": action,
                                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline))}
+            elif self.kind == "alibaba":
+                self.termination_time = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline))
             elif self.kind == "gce":
                 self.preempted = True
                 deadline = time.time() + 30.0
@@ -131,10 +138,22 @@ class FakeCloud:
     # -- the clouds -----------------------------------------------------------------------------
 
     def _aws(self, h: Any, method: str) -> None:
+        with self.lock:
+            action = self.action
+        self._tokened(h, method, "X-aws-ec2-metadata-token", {
+            "/latest/meta-data/spot/instance-action": None if action is None else json.dumps(action)})
+
+    def _alibaba(self, h: Any, method: str) -> None:
+        self._tokened(h, method, "X-aliyun-ecs-metadata-token", {
+            "/latest/meta-data/instance/spot/termination-time": self.termination_time})
+
+    def _tokened(self, h: Any, method: str, header: str, items: dict[str, str | None]) -> None:
+        """A metadata service whose reads need a session token (``header``; its TTL in ``header-ttl-seconds``):
+        ``items`` path -> the answer (None: 404)."""
         path = h.path
         if method == "PUT" and path == "/latest/api/token":
             try:
-                ttl = int(h.headers.get("X-aws-ec2-metadata-token-ttl-seconds", ""))
+                ttl = int(h.headers.get(f"{header}-ttl-seconds", ""))
             except ValueError:
                 ttl = 0
             if not 1 <= ttl <= 21600:
@@ -144,23 +163,19 @@ class FakeCloud:
             with self.lock:
                 self.tokens[token] = time.monotonic() + ttl
                 self.token_puts += 1
-            h._answer(200, token, {"X-aws-ec2-metadata-token-ttl-seconds": str(ttl)})
+            h._answer(200, token, {f"{header}-ttl-seconds": str(ttl)})
             return
         if method == "GET" and path.startswith("/latest/meta-data/"):
-            token = h.headers.get("X-aws-ec2-metadata-token", "")
+            token = h.headers.get(header, "")
             with self.lock:
                 ok = token in self.tokens and self.tokens[token] > time.monotonic()
                 if not ok:
                     self.unauthorized += 1
-                action = self.action
             if not ok:
                 h._answer(401, "")
                 return
-            if path == "/latest/meta-data/spot/instance-action":
-                if action is None:
-                    h._answer(404, "Not Found")
-                else:
-                    h._answer(200, json.dumps(action), {"Content-Type": "text/plain"})
+            if items.get(path) is not None:
+                h._answer(200, str(items[path]), {"Content-Type": "text/plain"})
                 return
         h._answer(404, "Not Found")
 

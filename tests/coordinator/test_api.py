@@ -17,6 +17,7 @@ from cryosleep.coordinator.catalog import SCHEMA_VERSION, Catalog
 from cryosleep.coordinator.client import Http
 from cryosleep.coordinator.protocol import (
     Command,
+    ImageRef,
     Op,
     Result,
     slot_from_json,
@@ -159,6 +160,12 @@ def test_wire_encoding_round_trips() -> None:
     assert Command.from_json(json.loads(json.dumps(cmd.to_json()))) == cmd
     r = Result("a.1.hold", "a", Op.HOLD, False, {}, {"error": "x", "what": "w"}, 0.5)
     assert Result.from_json(json.loads(json.dumps(r.to_json()))) == r
+    img = ImageRef("job-1", 4096, "ab" * 32, "/var/lib/cryosleep/store", "node-1", "s3://b/p", 1.25, ("NVIDIA H200",))
+    assert ImageRef.from_json(json.loads(json.dumps(img.to_json()))) == img
+    assert ImageRef.from_json({"ref": "job-1", "bytes": 1, "sha256": "x"}) == ImageRef("job-1", 1, "x")  # the least
+    for bad in (None, {}, {"ref": "job-1"}, {"ref": "job-1", "bytes": "many", "sha256": "x"}):
+        with pytest.raises(ProtocolError, match="image reference"):
+            ImageRef.from_json(bad)
 
 
 def test_catalog_schema_is_versioned(db: str) -> None:

@@ -92,7 +92,8 @@ def cloud(request: pytest.FixtureRequest) -> Iterator[FakeCloud]:
 
 
 @pytest.mark.parametrize("cloud", ["aws", pytest.param("gce", marks=pytest.mark.extended),
-                                   pytest.param("azure", marks=pytest.mark.extended)], indirect=True)
+                                   pytest.param("azure", marks=pytest.mark.extended),
+                                   pytest.param("alibaba", marks=pytest.mark.extended)], indirect=True)
 def test_preemption_notice_takes_a_stop_snapshot_before_its_deadline(h: Harness, cloud: FakeCloud) -> None:
     name = f"notice-{cloud.kind}"
     start(h, name, "--notices", cloud.kind, "--notice-url", f"{cloud.kind}={cloud.url}", "--notice-interval", "0.2s")

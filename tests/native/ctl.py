@@ -1,6 +1,7 @@
 """The test's agent for the interceptor's own tests: the package's control-block reader/writer
-(``cryosleep.core.interceptor``) and drive loop (``cryosleep.cut.driver``), with the short names and
-fixed timeouts these tests use. There is one implementation of the protocol; this only adapts it."""
+(``cryosleep.core.interceptor``), the node's side of the protocol (``cryosleep.cut.driver``) and the drain's
+rounds the snapshot sequence runs (``cryosleep.cut.rules.to_cut``), with the short names and fixed timeouts
+these tests use. There is one implementation of the protocol; this only adapts it."""
 
 from __future__ import annotations
 
@@ -8,17 +9,34 @@ import time
 
 from cryosleep.core.interceptor import BLOCK_SIZE, Cmd, ControlBlock, Rebuild, State
 from cryosleep.cut.driver import Driver
-from cryosleep.cut.rules import CommTarget, Decision
+from cryosleep.cut.rules import Action, CommTarget, Decision, RankView, Targets, to_cut
 from cryosleep.errors import InterceptorError
 
 __all__ = ["BLOCK_SIZE", "CMD_QUIESCE", "REBUILD_ID", "REBUILD_SPLIT", "ST_HOLDING", "ST_QUIESCED", "Agent",
-           "CommTarget", "Ctl", "CtlError"]
+           "CommTarget", "Ctl", "CtlError", "drain"]
 
 Ctl = ControlBlock
 CtlError = InterceptorError
 CMD_QUIESCE = Cmd.QUIESCE
 REBUILD_ID, REBUILD_SPLIT = Rebuild.FROM_ID, Rebuild.SPLIT
 ST_HOLDING, ST_QUIESCED = State.HOLDING, State.QUIESCED
+
+
+def drain(driver: Driver, deadline: float) -> Decision:
+    """The drain as a snapshot runs it on one node (``coordinator/machine.py``'s drain over
+    ``agent/coordinated.py``'s targets and report operations): ``to_cut``'s rounds, each carried out by the
+    driver. Raises CtlError when the ranks give up short of the cut."""
+
+    def ask(_round: int, targets: Targets | None) -> list[RankView]:
+        if targets is None:  # the targets stand: the ranks move on toward them
+            time.sleep(0.002)
+            return driver.views()
+        return driver.apply_targets(targets, deadline)
+
+    d, _, _ = to_cut(driver.views(), ask, deadline, time.monotonic)
+    if d.action is not Action.DONE:
+        raise CtlError("the ranks did not reach a consistent cut", d.reason)
+    return d
 
 
 class Agent(Driver):
@@ -43,8 +61,8 @@ class Agent(Driver):
             self.write_targets(targets, self.views())
         return self.gen
 
-    def drain(self) -> Decision:  # type: ignore[override]
-        return super().drain(time.monotonic() + self.timeout)
+    def drain(self) -> Decision:
+        return drain(self, time.monotonic() + self.timeout)
 
     def quiesce(self) -> None:  # type: ignore[override]
         super().quiesce(time.monotonic() + self.timeout)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ctl import drain
 from fakecuda.build import build
 from nccl_jobs import INTERCEPTOR, STANDIN, WORKLOADS
 
@@ -148,7 +149,7 @@ class Worker:
     def quiesce(self) -> None:
         deadline = time.monotonic() + 30
         self.driver.hold(deadline)
-        self.driver.drain(deadline)
+        drain(self.driver, deadline)
         self.driver.quiesce(deadline)
 
     def __enter__(self) -> Worker:

@@ -127,3 +127,49 @@ def test_aws_settings_from_env_and_files(tmp_path: Path) -> None:
            "AWS_REGION": "ap-south-1", "CRYOSLEEP_S3_ENDPOINT": "http://127.0.0.1:1/"}
     assert aws_settings(env) == {"access_key_id": "AK3", "secret_access_key": "S3", "session_token": "T",
                                  "region": "ap-south-1", "endpoint": "http://127.0.0.1:1"}
+
+
+def test_a_store_url_names_its_backend_by_scheme() -> None:
+    """store.urls.SCHEMES is where a backend is named: its scheme is remote, folded slashes mended, the module
+    imported only for its URLs; other schemes are refused with the list."""
+    from cryosleep.store import urls
+    from cryosleep.store.backend import LocalBackend
+    from cryosleep.store.s3 import S3Backend
+
+    assert urls.normalize_url("s3:/bucket/p") == "s3://bucket/p" and urls.is_remote("s3:/bucket")
+    assert not urls.is_remote("/srv/store") and not urls.is_remote(None)
+    b = urls.open_backend("s3:/bucket/a/b")
+    assert isinstance(b, S3Backend) and (b.bucket, b.prefix) == ("bucket", "a/b")
+    assert isinstance(urls.open_backend("/srv/store"), LocalBackend)
+    with pytest.raises(UsageError, match="unsupported store URL") as e:
+        urls.open_backend("gs://bucket")
+    assert "s3" in e.value.why
+    with pytest.raises(UsageError, match="invalid store URL"):
+        urls.open_backend("s3://")
+
+
+def test_the_nccl_section_is_typed_and_its_json_unchanged() -> None:
+    """NodeImage.nccl is a NcclCut: read into typed ranks and communicators, written back as the same JSON (what the
+    MAC of a manifest signed before covers), ``{}`` when no worker called NCCL; anything else is refused."""
+    import json
+
+    from cryosleep.store.manifest import Manifest, ManifestError, NcclCut
+
+    comm = {"ident": "fedcba9876543210", "vid": 1, "rank": 0, "nranks": 2, "seq": 12, "sent": 3, "received": 3,
+            "rebuild": 1, "state": 1, "device": 0}
+    nccl = {"generation": 40, "ranks": [{"rank": 0, "ctl": "/run/j/rank-0.ctl", "pid": 7, "nccl_version": 22809,
+                                         "comms": [comm]}]}
+    doc = {"format": 1, "id": "s", "job": {"name": "j"}, "mode": "stop", "created_at": 0.0, "host": {}, "phases": {},
+           "pause_s": 0.0, "nodes": [{"node_rank": 0, "ranks": [0, 1], "init_pid": 1, "nccl": nccl},
+                                     {"node_rank": 1, "ranks": [2, 3], "init_pid": 1, "nccl": {}}]}
+    m = Manifest.from_json(json.loads(json.dumps(doc)))
+    cut = m.nodes[0].nccl
+    assert isinstance(cut, NcclCut) and cut.generation == 40 and cut.ranks[0].comms[0].seq == 12
+    assert m.nodes[1].nccl == NcclCut() and not m.nodes[1].nccl.ranks
+    out = m.to_json()
+    assert out["nodes"][0]["nccl"] == nccl and out["nodes"][1]["nccl"] == {}
+    assert Manifest.from_json(json.loads(m.dumps())).signed_json() == m.signed_json()
+    for bad in ([], {"ranks": 5}, {"ranks": [{"rank": 0}]}, {"ranks": [{**nccl["ranks"][0], "comms": [{"seq": 1}]}]},
+                {"ranks": [{**nccl["ranks"][0], "comms": [{**comm, "seq": "12"}]}]}):
+        with pytest.raises(ManifestError):
+            Manifest.from_json({**doc, "nodes": [{**doc["nodes"][0], "nccl": bad}]})

@@ -17,7 +17,18 @@ from dataclasses import dataclass, field
 import pytest
 
 from cryosleep.core.interceptor import CommSlot, Rebuild, SlotState, WaitKind
-from cryosleep.cut import Action, CommTarget, RankView, cut_problems, decide, max_targets, relay_plan, stuck_ranks
+from cryosleep.cut import (
+    Action,
+    CommTarget,
+    RankView,
+    Targets,
+    cut_problems,
+    decide,
+    max_targets,
+    relay_plan,
+    stuck_ranks,
+    to_cut,
+)
 
 
 @dataclass(frozen=True)
@@ -295,28 +306,34 @@ class Sim:
         return bad
 
 
-def drive(sim: Sim, rng: random.Random, max_rounds: int = 2000) -> tuple[int, list[str]]:
-    """The agent's loop against the simulation: returns (rounds, reasons of the decisions)."""
+def drive(sim: Sim, rng: random.Random, max_rounds: int = 2000) -> int:
+    """The snapshot sequence's drain (``to_cut``, the loop ``coordinator/machine.py`` runs) against the simulation,
+    the ranks moving while each round is read and written; the clock is the round. Returns the rounds asked."""
     sim.hold = True
     sim.write({})  # HOLD with every target at 0
     floor: dict[int, CommTarget] = {}
-    reasons = []
-    for rnd in range(max_rounds):
-        sim.run(rng, rng.randint(0, 12))  # the ranks move while the agent reads and writes
-        d = decide(float(rnd), 1e9, sim.views(), floor)
-        reasons.append(d.reason)
-        assert d.action is not Action.GIVE_UP, d.reason
-        assert not sim.within_programs(d.targets), sim.within_programs(d.targets)
-        if d.action is Action.DONE:
-            return rnd, reasons
-        if d.action is Action.WRITE:
-            sim.write(d.targets)
-            floor = d.targets
+
+    def ask(rnd: int, targets: Targets | None) -> list[RankView]:
+        nonlocal floor
+        if rnd > max_rounds:
+            raise AssertionError(f"no convergence in {max_rounds} rounds")
+        if targets is not None:
+            assert not sim.within_programs(dict(targets)), sim.within_programs(dict(targets))
+            sim.write(dict(targets))
+            floor = dict(targets)
         elif sim.quiet():  # (quiet() itself may have moved threads, up to where they are held)
             again = decide(float(rnd), 1e9, sim.views(), floor)
             if again.action is Action.WAIT:
                 raise AssertionError(f"deadlock: nothing can move and the cut is not reached ({again.reason})")
-    raise AssertionError(f"no convergence in {max_rounds} rounds: {reasons[-3:]}")
+        sim.run(rng, rng.randint(0, 12))  # the ranks move while the agent reads and writes
+        return sim.views()
+
+    sim.run(rng, rng.randint(0, 12))
+    clock = iter(range(10**9))
+    d, _, rounds = to_cut(sim.views(), ask, 1e9, lambda: float(next(clock)))
+    assert d.action is Action.DONE, d.reason
+    assert not sim.within_programs(d.targets), sim.within_programs(d.targets)
+    return rounds
 
 
 # ---- the programs -----------------------------------------------------------------------------------

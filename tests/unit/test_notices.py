@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from cryosleep.triggers import notices
-from cryosleep.triggers.notices import AwsWatcher, AzureWatcher, GceWatcher, NoticeEndpointError
+from cryosleep.triggers.notices import AlibabaWatcher, AwsWatcher, AzureWatcher, GceWatcher, NoticeEndpointError
 from tests.clouds import FakeCloud
 
 
@@ -155,6 +155,46 @@ def test_azure_started_event_without_not_before_gets_the_spot_minimum(cloud: Fak
     assert n is not None and n.deadline == 530.0
 
 
+@pytest.mark.parametrize("cloud", ["alibaba"], indirect=True)
+def test_alibaba_token_flow_no_notice_then_the_release_time(cloud: FakeCloud) -> None:
+    """ECS in security hardening mode: every read carries a session token (Alibaba's header names, not AWS's);
+    404 until the instance is to be released, then its release time: the deadline, to the second."""
+    w = AlibabaWatcher(cloud.url, interval=0.05)
+    assert w.check() is None and w.check() is None
+    assert cloud.token_puts == 1 and cloud.unauthorized == 0
+    (put,) = [r for r in cloud.requests if r[0] == "PUT"]
+    assert put[2]["x-aliyun-ecs-metadata-token-ttl-seconds"] == "21600"
+    assert all("x-aliyun-ecs-metadata-token" in r[2] for r in cloud.requests if r[0] == "GET")
+    cloud.expire_tokens()  # a token past its TTL: 401, then one new token
+    assert w.check() is None and cloud.unauthorized == 1 and cloud.token_puts == 2
+    deadline = cloud.notify(lead_s=300)
+    got: list[notices.Notice | None] = []
+    t = threading.Thread(target=lambda: got.append(w.watch(threading.Event(), lambda _m: None)))
+    t.start()
+    t.join(5)
+    (n,) = got
+    assert n is not None and n.source == "alibaba" and abs(n.deadline - deadline) <= 1.0
+    assert "released at" in n.detail
+
+
+@pytest.mark.parametrize("cloud", ["alibaba"], indirect=True)
+def test_alibaba_unreadable_time_and_errors(cloud: FakeCloud) -> None:
+    w = AlibabaWatcher(cloud.url, clock=lambda: 1000.0)
+    cloud.termination_time = "soon"
+    n = w.check()
+    assert n is not None and n.deadline == 1000.0 + notices.ALIBABA_DEFAULT_S and "unreadable" in n.detail
+    cloud.fail_next = 1  # the token request fails: the endpoint error is raised, the watch would retry
+    w._token = ""
+    with pytest.raises(NoticeEndpointError, match="alibaba metadata token request answered HTTP 500"):
+        w.check()
+    assert w.check() is not None  # a token again
+    cloud.fail_next = 1  # the read fails
+    with pytest.raises(NoticeEndpointError, match="termination-time answered HTTP 500"):
+        w.check()
+    assert AwsWatcher(cloud.url).answers(cloud.url, 1.0) is False  # AWS's header names get no token here
+    assert AlibabaWatcher.answers(cloud.url, 1.0) is True
+
+
 def test_probe_finds_the_cloud_that_answers() -> None:
     clouds = {k: FakeCloud(k) for k in notices.SOURCES}
     try:
@@ -171,3 +211,21 @@ def test_make_watcher_defaults_to_the_documented_endpoints() -> None:
     assert notices.make_watcher("aws").base == "http://169.254.169.254"
     assert notices.make_watcher("gce").base == "http://metadata.google.internal"
     assert notices.make_watcher("azure", "http://127.0.0.1:9/").base == "http://127.0.0.1:9"
+    assert notices.make_watcher("alibaba").base == "http://100.100.100.200"
+
+
+def test_every_source_comes_from_the_one_list() -> None:
+    """A source is named once, in WATCHERS: the CLI's --notices and --notice-url, --notices auto and the runner's
+    options (the long poll for gce) come from its class."""
+    from cryosleep.cli.main import parse
+    from cryosleep.cli.triggers import trigger_config
+
+    assert tuple(w.source for w in notices.WATCHERS) == notices.SOURCES and len(set(notices.SOURCES)) >= 3
+    assert all(notices.DEFAULT_URLS[w.source] == w.default_url.rstrip("/") != "" for w in notices.WATCHERS)
+    gce = notices.make_watcher("gce", interval=1.0)
+    assert isinstance(gce, GceWatcher) and gce.long_poll  # the runner's option
+    assert not notices.make_watcher("gce", long_poll=False).long_poll  # the caller's comes first
+    argv = ["run", "--notices", ",".join(notices.SOURCES),
+            *[a for s in notices.SOURCES for a in ("--notice-url", f"{s}=http://127.0.0.1:9")], "train.py"]
+    cfg = trigger_config(parse(argv))
+    assert cfg.notices == list(notices.SOURCES) and set(cfg.notice_urls) == set(notices.SOURCES)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,20 @@ def _grandchild(script: str) -> tuple[subprocess.Popen[str], int]:
     sh = subprocess.Popen(["sh", "-c", f"{script} & echo $!; wait $!"], stdout=subprocess.PIPE, text=True)
     assert sh.stdout is not None
     return sh, int(sh.stdout.readline())
+
+
+def _gate(tmp_path: Path, name: str = "gate") -> tuple[Path, Callable[[], None]]:
+    """A FIFO one shell waits on with a builtin (``read _ < FIFO``: no process of its own) and its opening: a process
+    that must outlive the opening of a watch ends when the test says, not after a sleep a loaded machine outlasts."""
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+
+    def open_gate() -> None:
+        fd = os.open(fifo, os.O_WRONLY)  # waits for its one reader to open it too; it reads the line and goes on
+        os.write(fd, b"go\n")
+        os.close(fd)
+
+    return fifo, open_gate
 
 
 def _kernel_keeps_exit_status() -> bool:
@@ -40,11 +55,14 @@ def test_a_running_process_has_not_ended() -> None:
 
 
 @pytest.mark.skipif(not _kernel_keeps_exit_status(), reason="a reaped process's status needs Linux 6.15")
-def test_how_reaped_processes_ended_is_known() -> None:
-    clean_sh, clean = _grandchild("(sleep 0.5; exit 0)")
-    failed_sh, failed = _grandchild("(sleep 0.5; exit 3)")
+def test_how_reaped_processes_ended_is_known(tmp_path: Path) -> None:
+    (clean_fifo, open_clean), (failed_fifo, open_failed) = _gate(tmp_path, "clean"), _gate(tmp_path, "failed")
+    clean_sh, clean = _grandchild(f"(read _ < {clean_fifo}; exit 0)")
+    failed_sh, failed = _grandchild(f"(read _ < {failed_fifo}; exit 3)")
     killed_sh, killed = _grandchild("sleep 30")
     watch = proctree.Watch([clean, failed, killed])
+    open_clean()
+    open_failed()
     os.kill(killed, signal.SIGKILL)
     for sh in (clean_sh, failed_sh, killed_sh):
         sh.wait()  # each shell has reaped its child: /proc no longer has them
@@ -102,14 +120,16 @@ def test_only_a_descendants_clean_exit_is_the_jobs_own_churn() -> None:
         watch.close()
 
 
-def test_a_descendant_exiting_0_is_not_a_failure() -> None:
-    init = subprocess.Popen(["sh", "-c", "sh -c '(sleep 0.5; exit 0) & wait; sleep 30' & wait"])
+def test_a_descendant_exiting_0_is_not_a_failure(tmp_path: Path) -> None:
+    fifo, open_gate = _gate(tmp_path)
+    init = subprocess.Popen(["sh", "-c", f"sh -c '(read _ < {fifo}; exit 0) & wait; sleep 30' & wait"])
     deadline = time.monotonic() + 5
     while len(tree := proctree.tree(init.pid)) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     worker = proctree.children(init.pid)[0]
     (churn,) = proctree.children(worker)
     watch = proctree.Watch(tree)
+    open_gate()
     try:
         _until(lambda: churn in watch.ended())
         assert failed_processes(watch, {init.pid, worker}, init.pid) == ""

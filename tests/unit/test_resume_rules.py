@@ -11,7 +11,7 @@ from cryosleep.agent.resume import Candidate, Found, StoreRecord, choose
 
 
 def spec(*args: str, nproc: int = 2, python: str = "/opt/venv/bin/python3") -> dict[str, object]:
-    return {"name": "exp", "program": [python, "-u", "/work/train.py", *args], "nproc_per_node": nproc,
+    return {"name": "exp", "program": [python, "-u", "/srv/train.py", *args], "nproc_per_node": nproc,
             "nnodes": 1, "node_rank": 0, "env": {"SLURM_JOB_ID": "1"}}
 
 

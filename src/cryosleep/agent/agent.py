@@ -707,7 +707,7 @@ class Agent:
                                 "see the agent's log; the snapshot was verified before the job was told to end")
         if rehearse:
             return {"job": self.spec.name, "mode": "rehearsal", "cut": run.cut.reason if run.cut else "",
-                    "rounds": run.rounds, "nccl": cap.nccl_info, "phases": cap.phases.rounded(),
+                    "rounds": run.rounds, "nccl": cap.nccl_info.to_json(), "phases": cap.phases.rounded(),
                     "pause_s": cap.pause_s()}
         manifest = cap.manifest
         assert manifest is not None

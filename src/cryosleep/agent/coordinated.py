@@ -47,6 +47,7 @@ from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Registration, host_name
 from cryosleep.coordinator.protocol import (
     Command,
+    ImageRef,
     ident_hex,
     local_deadline,
     targets_from_json,
@@ -335,7 +336,7 @@ class CoordinatedNode:
             self._gen(self.nccl, cmd)
         self.at_cut = True
         cap.quiesce()
-        return {"records": cap.nccl_info.get("ranks", [])}
+        return {"records": cap.nccl_info.to_json().get("ranks", [])}
 
     def net_hold(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._net_hold, cmd)
@@ -429,16 +430,16 @@ class CoordinatedNode:
         cap.persist()
         remote = (self.agent.spec.persist or {}).get("url")
         data = (self.store.path_of(manifest.id) / "manifest.json").read_bytes()
-        image = {"ref": manifest.id, "store": str(self.store.root), "remote": remote,
-                 "host": socket.gethostname(), "bytes": manifest.bytes,
-                 "sha256": hashlib.sha256(data).hexdigest(), "pause_s": manifest.pause_s,
-                 "gpus": [str(g.get("name")) for g in manifest.nodes[0].gpu.get("gpus") or ()]}
+        image = ImageRef(ref=manifest.id, bytes=manifest.bytes, sha256=hashlib.sha256(data).hexdigest(),
+                         store=str(self.store.root), host=socket.gethostname(), remote=remote,
+                         pause_s=manifest.pause_s,
+                         gpus=tuple(str(g.get("name")) for g in manifest.nodes[0].gpu.get("gpus") or ()))
         if not cap.stop:  # the job runs already: this node's part is done
             cap.finish()
             self.agent.state.last_snapshot = manifest.id
             self.upload = store_persist.after_snapshot(self.agent.persister, self.store, manifest)
             self._end("verified")
-        return {"image": image, "phases": cap.phases.rounded()}
+        return {"image": image.to_json(), "phases": cap.phases.rounded()}
 
     def stop(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._stop, cmd)

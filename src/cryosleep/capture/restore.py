@@ -57,7 +57,7 @@ from cryosleep.errors import CryosleepError, InterceptorError, NotEligible, NotF
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import auth, persist
 from cryosleep.store.local import LocalStore
-from cryosleep.store.manifest import FileEntry, Manifest
+from cryosleep.store.manifest import FileEntry, Manifest, NcclCut
 from cryosleep.timing import Phases, Progress
 
 
@@ -177,7 +177,7 @@ class RestoreRun:
                     if applies():
                         with self.phases.phase(name):
                             step()
-                if self.node.nccl.get("ranks"):  # its own phases: reload (offloaded memory), rebuild
+                if self.node.nccl.ranks:  # its own phases: reload (offloaded memory), rebuild
                     self._rebuild()
             except BaseException as e:
                 self.undo.undo(e)
@@ -277,7 +277,7 @@ class RestoreRun:
 
     def _barrier(self) -> None:
         assert self.req.meeting is not None
-        self.req.meeting.barrier(int(self.node.nccl.get("generation") or 0))
+        self.req.meeting.barrier(self.node.nccl.generation)
         self.peers = tuple(self.req.meeting.peers)  # the other nodes' underlay addresses: the overlay's peers
 
     def _files(self) -> None:
@@ -527,7 +527,7 @@ def remove_devmem(ranks: dict[str, Any]) -> None:
             path.parent.rmdir()  # only when empty
 
 
-def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = None, timeout: float = 30.0,
+def rebuild_nccl(init_pid: int, facts: NcclCut, phases: Phases | None = None, timeout: float = 30.0,
                  relay: Meeting | None = None) -> None:
     """The restored workers' interceptors are QUIESCED (or OFFLOADED: the fast path), holding every NCCL call:
     bring offloaded device memory back, re-create their communicators from fresh unique ids and open the
@@ -537,9 +537,9 @@ def rebuild_nccl(init_pid: int, facts: dict[str, Any], phases: Phases | None = N
     deadline = time.monotonic() + timeout
     blocks: dict[int, ControlBlock] = {}
     try:
-        for r in facts["ranks"]:
+        for r in facts.ranks:
             left = max(0.1, deadline - time.monotonic())
-            blocks[int(r["rank"])] = ControlBlock.wait(r["ctl"], pid=int(r["pid"]), timeout=left)
+            blocks[r.rank] = ControlBlock.wait(r.ctl, pid=r.pid, timeout=left)
         not_quiesced = [f"rank {r} is {STATE_NAMES.get(b.state()[0], f'in state {b.state()[0]}')}"
                         for r, b in blocks.items()
                         if b.state()[0] not in (State.QUIESCED, State.OFFLOADED)]

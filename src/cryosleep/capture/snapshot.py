@@ -66,7 +66,7 @@ from cryosleep.core.job import JobSpec
 from cryosleep.cut.driver import Driver
 from cryosleep.errors import CaptureFailed, CryosleepError, InterceptorError, NotEligible
 from cryosleep.store.local import LocalStore, Staging, hash_tree
-from cryosleep.store.manifest import Manifest, NodeImage
+from cryosleep.store.manifest import Manifest, NcclComm, NcclCut, NcclRank, NodeImage
 from cryosleep.timing import Phases, Progress
 
 # The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
@@ -137,14 +137,13 @@ def _refuse(target: Target, checks: list[eligibility.Check]) -> NotEligible:
     )
 
 
-def nccl_facts(nccl: Driver) -> dict[str, Any]:
+def nccl_facts(nccl: Driver) -> NcclCut:
     """The interceptors at the cut, for the manifest."""
-    ranks = []
-    for rec in nccl.records():
-        comms = [{**c, "ident": f"{c['ident']:016x}"} for c in rec.comms]
-        ranks.append({"rank": rec.rank, "ctl": rec.ctl, "pid": rec.pid, "nccl_version": rec.nccl_version,
-                      "comms": comms})
-    return {"generation": nccl.gen, "ranks": ranks}
+    ranks = [NcclRank(rank=r, ctl=str(b.path), pid=b.pid, nccl_version=b.nccl_version, comms=[
+        NcclComm(ident=f"{s.ident:016x}", vid=s.vid, rank=s.rank, nranks=s.nranks, seq=s.seq, sent=sum(s.send),
+                 received=sum(s.recv), rebuild=int(s.rebuild), state=int(s.state), device=s.device)
+        for s in b.comms()]) for r, b in nccl.blocks.items()]
+    return NcclCut(generation=nccl.gen, ranks=ranks)
 
 
 class NodeCapture:
@@ -168,7 +167,7 @@ class NodeCapture:
         self.gpus = cuda.GpuSet([])
         self.gpu_facts: dict[str, Any] = {}
         self.nccl: Driver | None = None
-        self.nccl_info: dict[str, Any] = {}
+        self.nccl_info = NcclCut()
         self.held = False  # CRIU left the tree stopped (a stop snapshot's dump): released by rollback or end
         self.committed = False
         self.dump_rid: str | None = None

@@ -187,10 +187,9 @@ def cmd_show(a: argparse.Namespace) -> int:
     for n in m.nodes:
         print(f"node {n.node_rank}: ranks {n.ranks}, {n.processes} processes, {len(n.files)} files, "
               f"{human_bytes(n.bytes)}, {len(n.staged)} job files staged")
-        if n.nccl.get("ranks"):
-            ranks = n.nccl["ranks"]
-            comms = {c["ident"] for r in ranks for c in r["comms"]}
-            print(f"  NCCL: ranks {[r['rank'] for r in ranks]} cut with {len(comms)} communicator(s), "
+        if n.nccl.ranks:
+            comms = {c.ident for r in n.nccl.ranks for c in r.comms}
+            print(f"  NCCL: ranks {[r.rank for r in n.nccl.ranks]} cut with {len(comms)} communicator(s), "
                   "rebuilt on restore")
         if n.outbound.get("reset") or n.outbound.get("kept"):
             undrained = sum(1 for c in n.outbound.get("reset", []) if not c.get("drained"))

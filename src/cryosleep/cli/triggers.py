@@ -20,7 +20,7 @@ def add_trigger_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grace", metavar="DURATION",
                    help="on SIGTERM, take a stop snapshot that aims to finish within this time (e.g. 30s; keep it "
                    "under the platform's kill delay) instead of forwarding SIGTERM to the workers")
-    g.add_argument("--notices", default="none", metavar="aws,gce,azure|auto|none",
+    g.add_argument("--notices", default="none", metavar=",".join(notices.SOURCES) + "|auto|none",
                    help="watch these clouds' preemption notices; a notice leads to a stop snapshot before its "
                    "deadline; auto: whichever metadata endpoint answers (default: none)")
     g.add_argument("--notice-url", action="append", default=[], metavar="SOURCE=URL",

@@ -50,14 +50,15 @@ from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.protocol import (
     GEN_STRIDE,
+    ImageRef,
     Mode,
     Op,
     targets_for,
     targets_to_json,
     views_from_json,
 )
-from cryosleep.cut.rules import Action, CommTarget, Decision, RankView, decide
-from cryosleep.errors import CaptureFailed, CryosleepError
+from cryosleep.cut.rules import Action, Decision, RankView, Targets, to_cut
+from cryosleep.errors import CaptureFailed, CryosleepError, ProtocolError
 from cryosleep.timing import Phases
 
 HOLD_GRACE_S = 5.0  # the interceptors release a HOLD this long after the snapshot's deadline
@@ -155,7 +156,7 @@ class SnapshotSequence:
         self.resumed = False
         self.rounds = 0
         self.cut: Decision | None = None
-        self.images: dict[int, dict[str, Any]] = {}
+        self.images: dict[int, ImageRef] = {}
         self.cancelled = False
         self.rolling_back = False
         self.error: CryosleepError | None = None  # why the run failed (it was rolled back)
@@ -193,7 +194,8 @@ class SnapshotSequence:
 
     def _save_nodes(self) -> None:
         for n, ph in self.node_phases.items():
-            self.catalog.update_node(self.sid, n, phases=ph, image=self.images.get(n))
+            image = self.images.get(n)
+            self.catalog.update_node(self.sid, n, phases=ph, image=image.to_json() if image is not None else None)
 
     def _save_states(self, states: dict[int, str]) -> None:
         for n, st in states.items():
@@ -212,30 +214,28 @@ class SnapshotSequence:
         hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
         out = self.gather(Op.HOLD, {"gen": gen, "hold_s": hold_s}, self.deadline)
         views = {n: views_from_json(d) for n, d in out.ok.items()}
-        floor: dict[int, CommTarget] = {}
-        while True:
-            every: list[RankView] = [v for n in self.nodes for v in views[n]]
-            d = decide(time.monotonic(), self.deadline, every, floor)
-            self.cut = d
-            if d.action is Action.DONE:
-                self.catalog.event("cut", f"{d.reason}, after {self.rounds} round(s)", job=self.job,
-                                   snapshot=self.sid)
-                return d
-            if d.action is Action.GIVE_UP:
-                raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
-                                    "every node was resumed; snapshot again later, or with a longer --timeout",
-                                    ranks=sorted({v.rank for v in every if not (v.answered and v.settled)}))
-            self.rounds += 1
-            if d.action is Action.WRITE:
-                floor = d.targets
+
+        def ask(round_: int, targets: Targets | None) -> list[RankView]:
+            """One round on every node: its share of the targets written, or a short wait; their fresh views."""
+            self.rounds = round_
+            if targets is not None:
                 idents = {n: {s.ident for v in views[n] for s in v.comms} for n in self.nodes}
-                per_node = {n: {"round": self.rounds, "targets": targets_to_json(targets_for(d.targets, idents[n]))}
+                per_node = {n: {"round": round_, "targets": targets_to_json(targets_for(targets, idents[n]))}
                             for n in self.nodes}
-                out = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
+                got = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
             else:
-                out = self.gather(Op.REPORT, {"round": self.rounds, "wait_s": self.cfg.report_wait_s},
-                                  self.deadline)
-            views = {n: views_from_json(dd) for n, dd in out.ok.items()}
+                got = self.gather(Op.REPORT, {"round": round_, "wait_s": self.cfg.report_wait_s}, self.deadline)
+            views.update({n: views_from_json(d) for n, d in got.ok.items()})
+            return [v for n in self.nodes for v in views[n]]
+
+        d, every, _ = to_cut([v for n in self.nodes for v in views[n]], ask, self.deadline, time.monotonic)
+        self.cut = d
+        if d.action is Action.GIVE_UP:
+            raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
+                                "every node was resumed; snapshot again later, or with a longer --timeout",
+                                ranks=sorted({v.rank for v in every if not (v.answered and v.settled)}))
+        self.catalog.event("cut", f"{d.reason}, after {self.rounds} round(s)", job=self.job, snapshot=self.sid)
+        return d
 
     def quiesce(self) -> None:
         self.at_cut = True
@@ -288,11 +288,11 @@ class SnapshotSequence:
         out = self.gather(Op.PERSIST, {"mode": str(self.mode), "timeout_s": self.timeout_s, "verify": verify},
                           self.deadline)
         for n, d in out.ok.items():
-            image = d.get("image")
-            if not image:
-                raise CaptureFailed(f"node {n} persisted no image", "its answer names no image reference",
-                                    "the node agent is out of date?", node=n)
-            self.images[n] = dict(image)
+            try:
+                self.images[n] = ImageRef.from_json(d.get("image"))
+            except ProtocolError as e:
+                raise CaptureFailed(f"node {n} persisted no image", f"its answer's image: {e.why}",
+                                    "the node agent is out of date?", node=n) from e
 
     def stop(self) -> list[str]:
         out = self.gather(Op.STOP, {}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
@@ -440,7 +440,8 @@ class SnapshotRun(SnapshotSequence):
         self.incarnations = dict(incarnations)
 
     def _save_nodes(self) -> None:  # one transaction for every node
-        self.catalog.update_nodes(self.sid, {n: (ph, self.images.get(n)) for n, ph in self.node_phases.items()})
+        self.catalog.update_nodes(self.sid, {n: (ph, i.to_json() if (i := self.images.get(n)) is not None else None)
+                                             for n, ph in self.node_phases.items()})
 
     def _save_states(self, states: dict[int, str]) -> None:
         self.catalog.update_node_states(self.sid, states)

@@ -41,7 +41,7 @@ net_release -                                                 (the job network c
 resume      gen (the REBUILD generation, the same on all)     uids {ident: hex} it published, need [ident]
 relay       gen, uids {ident: hex}                            (every local rank answered RUNNING(gen))
 run         gen                                               (the gates are open)
-persist     mode                                              image (reference, bytes, sha256), phases
+persist     mode                                              image (an ImageRef: reference, bytes, sha256...), phases
 stop        -                                                 (the workers ended; the job lives in the snapshot)
 abort       at_cut, gen                                       state: "running" or "quiesced"
 end         reason                                            (the workers ended: a rollback past the cut could not
@@ -148,6 +148,48 @@ class Result:
     @classmethod
     def failure(cls, cmd: Command, err: CryosleepError, seconds: float) -> Result:
         return cls(cmd.id, cmd.snapshot, cmd.op, False, {}, err.to_json(), seconds)
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One node's image of a snapshot: what its ``persist`` answers, what the catalog keeps per node, what a
+    restore (and placement) reads back."""
+
+    ref: str
+    """The image's snapshot id in the node's local store."""
+    bytes: int
+    """The image's size (its files)."""
+    sha256: str
+    """SHA-256 of the image's ``manifest.json`` as committed."""
+    store: str = ""
+    """The node's local store (a directory on its host)."""
+    host: str = ""
+    """The node's host name."""
+    remote: str | None = None
+    """The remote store the node persists its images to, if any (its URL)."""
+    pause_s: float = 0.0
+    """How long the node's workers were held."""
+    gpus: tuple[str, ...] = ()
+    """The GPU models the image was taken on (placement matches them)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ref": self.ref, "bytes": self.bytes, "sha256": self.sha256, "store": self.store, "host": self.host,
+                "remote": self.remote, "pause_s": self.pause_s, "gpus": list(self.gpus)}
+
+    @classmethod
+    def from_json(cls, d: Any) -> ImageRef:
+        """ProtocolError for anything that is not an image reference."""
+        try:
+            if not isinstance(d, Mapping) or not d.get("ref"):
+                raise ValueError(f"{d!r:.120} names no image reference")
+            remote = d.get("remote")
+            return cls(ref=str(d["ref"]), bytes=int(d["bytes"]), sha256=str(d["sha256"]),
+                       store=str(d.get("store") or ""), host=str(d.get("host") or ""),
+                       remote=str(remote) if remote else None, pause_s=float(d.get("pause_s") or 0.0),
+                       gpus=tuple(str(g) for g in d.get("gpus") or ()))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ProtocolError("a malformed image reference", f"{type(e).__name__}: {e}",
+                                "the agent and the coordinator speak different protocol versions?") from e
 
 
 def local_deadline(cmd: Command, received: float | None = None) -> float:

@@ -1,7 +1,8 @@
-"""The consistent cut across a job's ranks: pure decisions (``rules``) and the agent's drive loop (``driver``).
+"""The consistent cut across a job's ranks: pure decisions (``rules``) and a node's side of them (``driver``).
 
 ``rules.decide`` takes every rank's counters (and the clock) and returns targets plus a reason; it does no I/O.
-``driver`` reads and writes the interceptors' control blocks and runs drain, quiesce and rebuild with it.
+``rules.to_cut`` is the drain's rounds, with the I/O handed in (the snapshot sequence runs it over every node).
+``driver`` reads and writes a node's control blocks: hold, one round's targets, quiesce, rebuild, run.
 """
 
 from cryosleep.cut.rules import (
@@ -18,6 +19,7 @@ from cryosleep.cut.rules import (
     relay_plan,
     slot_targets,
     stuck_ranks,
+    to_cut,
 )
 
 __all__ = [
@@ -34,4 +36,5 @@ __all__ = [
     "relay_plan",
     "slot_targets",
     "stuck_ranks",
+    "to_cut",
 ]

@@ -1,38 +1,35 @@
-"""The agent's side of the interceptor protocol: drain to a consistent cut, quiesce, rebuild, resume.
+"""The agent's side of the interceptor protocol: the steps a node's ranks go through, over their control blocks.
 
 One ``Driver`` drives the control blocks of a job's ranks on this node through the steps of
-docs/interceptor.md ("The agent's procedures"), with ``cryosleep.cut.rules`` choosing the targets:
+docs/interceptor.md ("The agent's procedures"). It decides nothing about the cut: the snapshot sequence
+(``coordinator/machine.py``) runs the drain's rounds with ``cryosleep.cut.rules.to_cut`` over every node's
+views, and each node carries out its share of a round here:
 
-    hold      zero every target, set the HOLD deadline, HOLD(g): every thread stops at its next NCCL call
-    drain     rounds of decide -> write targets -> wait for the ranks to answer, until DONE (or give up)
-    quiesce   QUIESCE(g): every rank flushes and destroys its real communicators
-    rebuild   REBUILD(g), relaying each communicator's fresh unique id from its rank-0 member to the others
-    run       RUN(g): the gates open, the fast path is back
+    hold           zero every target, set the HOLD deadline, HOLD(g): every thread stops at its next NCCL call
+    apply_targets  one round of the drain: the targets written, the answers awaited, fresh views read
+    quiesce        QUIESCE(g): every rank flushes and destroys its real communicators
+    rebuild        REBUILD(g), relaying each communicator's fresh unique id from its rank-0 member to the others
+    run            RUN(g): the gates open, the fast path is back
 
-Every command carries a new generation, one counter for the whole job. ``rollback()`` brings the job
-back to running from wherever a failure left it: ranks still live get RUN, quiesced ones are rebuilt
-first (ranks still live next to quiesced ones are quiesced too, so that every member re-creates the
-same communicators). It reads where each rank is from its block rather than trusting what was sent.
+Every command carries a new generation, one counter for the whole job. The way back from a failure is the
+sequence's rollback, whose node side (``capture.snapshot.undo_nccl``) uses ``requiesce`` and ``resume``
+here: ranks still live get RUN, or, next to quiesced ones, are quiesced too so that every member re-creates
+the same communicators.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
 
-from cryosleep.core.interceptor import Cmd, ControlBlock, Rebuild, SlotState, State, flag_reasons
+from cryosleep.core.interceptor import Cmd, ControlBlock, Rebuild, SlotState, State
 from cryosleep.cut.rules import (
-    Action,
-    CommTarget,
-    Decision,
     RankView,
     Targets,
-    decide,
     relay_plan,
     slot_targets,
 )
-from cryosleep.errors import CaptureFailed, CryosleepError, InterceptorError
+from cryosleep.errors import CaptureFailed, InterceptorError
 
 # How long a control thread may take to answer a command that involves no NCCL work (it polls every
 # 5 ms while running, every 1 ms otherwise).
@@ -60,17 +57,6 @@ def read_view(rank: int, block: ControlBlock) -> RankView:
                     premul_live=block.premul_live)
 
 
-@dataclass
-class RankRecord:
-    """What the manifest keeps of one rank's interceptor at the cut."""
-
-    rank: int
-    ctl: str
-    pid: int
-    nccl_version: int
-    comms: list[dict[str, int]]
-
-
 class Driver:
     """The control blocks of one job's ranks (job rank -> block), driven together.
 
@@ -94,9 +80,6 @@ class Driver:
         self.gen = max((max(b.cmd()[1], b.state()[1]) for b in self.blocks.values()), default=0)
         self.touched = False  # a command was written: rollback has something to undo
         self.hold_deadline_ns = 0
-        self.floor: dict[int, CommTarget] = {}
-        self.last: Decision | None = None
-        self.rounds = 0
 
     @property
     def ranks(self) -> list[int]:
@@ -274,7 +257,6 @@ class Driver:
         """HOLD with every target at 0: each thread stops at its next NCCL call. ``deadline`` is the
         snapshot's (monotonic seconds); the interceptors release a HOLD still in force a little after it."""
         self.hold_deadline_ns = int((deadline + HOLD_GRACE_S) * 1e9)
-        self.floor = {}
         self._hold_ranks(self.ranks)
         gen = self.command(Cmd.HOLD)
         self.wait(State.HOLDING, gen, min(deadline, time.monotonic() + ANSWER_TIMEOUT_S))
@@ -318,43 +300,8 @@ class Driver:
     def apply_targets(self, targets: Targets, deadline: float) -> list[RankView]:
         """One round of a drain decided elsewhere (the coordinator, over every node's ranks): the targets
         written, the ranks' answers awaited (until ``deadline``), their fresh views returned."""
-        self.floor = dict(targets)
         self._wait_answers(self.write_targets(targets, self.views()), deadline)
         return self.views()
-
-    def drain(self, deadline: float, now: Callable[[], float] = time.monotonic) -> Decision:
-        """Rounds of decide/write/wait until every rank is settled at a consistent cut.
-
-        Raises CaptureFailed (naming the ranks and communicators short of the cut) when the deadline passes
-        or the cut cannot be rebuilt; the ranks are still held then, and ``rollback()`` releases them."""
-        nap = 0.0005
-        while True:
-            self.join_late_ranks(deadline)
-            dead = self.exited(self.ranks)
-            if dead:
-                self._raise_exited(dead, "a consistent cut")
-            views = self.views()
-            d = decide(now(), deadline, views, self.floor)
-            self.last = d
-            self.rounds += 1
-            if d.action is Action.DONE:
-                return d
-            if d.action is Action.GIVE_UP:
-                raise CaptureFailed(
-                    "the job's ranks did not reach a consistent NCCL cut",
-                    d.reason,
-                    "the job was resumed and goes on running; snapshot again later (or with a longer --timeout "
-                    "if a rank was in a long stretch without NCCL calls)",
-                    ranks=sorted({v.rank for v in views if not (v.answered and v.settled)}),
-                )
-            if d.action is Action.WRITE:
-                self.log(f"drain round {self.rounds}: {d.reason}")
-                self.floor = d.targets
-                self._wait_answers(self.write_targets(d.targets, views), deadline)
-                nap = 0.0005
-            else:
-                time.sleep(nap)
-                nap = min(nap * 2, 0.01)
 
     # ---- quiesce, rebuild, run ---------------------------------------------------------------------
 
@@ -489,8 +436,6 @@ class Driver:
             time.sleep(nap)
             nap = min(nap * 2, 0.01)
 
-    # ---- rollback ----------------------------------------------------------------------------------
-
     def requiesce(self, ranks: list[int], deadline: float) -> None:
         """Quiesces ranks that are live and exactly at the cut (targets = their own counters)."""
         for r in ranks:
@@ -503,40 +448,3 @@ class Driver:
         self.wait(State.HOLDING, gen, deadline, ranks)
         gen = self.command(Cmd.QUIESCE, ranks)
         self.wait(State.QUIESCED, gen, deadline, ranks)
-
-    def rollback(self) -> list[str]:
-        """Back to running from wherever the job is; returns what could not be undone (empty: all was)."""
-        if not self.touched or not self.blocks:
-            return []
-        try:
-            live = [r for r, b in self.blocks.items() if b.comms_live]
-            if len(live) == len(self.blocks):
-                self.run()
-                return []
-            if live:
-                self.requiesce(live, time.monotonic() + REBUILD_TIMEOUT_S)
-            self.resume()
-            return []
-        except CryosleepError as e:
-            return [f"{e.what}: {e.why}"]
-
-    # ---- records -----------------------------------------------------------------------------------
-
-    def records(self) -> list[RankRecord]:
-        out = []
-        for r, b in self.blocks.items():
-            comms = [{"ident": s.ident, "vid": s.vid, "rank": s.rank, "nranks": s.nranks, "seq": s.seq,
-                      "sent": sum(s.send), "received": sum(s.recv), "rebuild": s.rebuild, "state": s.state,
-                      "device": s.device} for s in b.comms()]
-            out.append(RankRecord(rank=r, ctl=str(b.path), pid=b.pid, nccl_version=b.nccl_version, comms=comms))
-        return out
-
-    def feature_problems(self) -> list[str]:
-        """What the interceptors refuse (flags, no control thread), per rank, in words."""
-        out: list[str] = []
-        for r, b in self.blocks.items():
-            if not b.control_thread:
-                out.append(f"rank {r}: no interceptor control thread serves its control block")
-            out.extend(f"rank {r}: {why}" for why in flag_reasons(b.flags))
-        return out
-

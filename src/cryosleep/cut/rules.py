@@ -1,8 +1,9 @@
 """The consistent cut as pure functions: every rank's counters in, targets and a reason out.
 
 No I/O and no clock: the caller reads the control blocks into ``RankView``s, passes ``now`` and the
-deadline, writes what ``decide`` returns, and calls again (``cryosleep.cut.driver`` does that). The rules
-are docs/interceptor.md's "Drain to a consistent cut":
+deadline, writes what ``decide`` returns, and calls again. ``to_cut`` is that loop, with the I/O handed in
+(the snapshot sequence's drain, ``coordinator/machine.py``, over every node's ranks; the node side writes the
+targets with ``cryosleep.cut.driver``). The rules are docs/interceptor.md's "Drain to a consistent cut":
 
 * **Maxima.** Per communicator (matched across ranks by ``ident``) the collective target is the largest
   sequence number any member has issued; per ordered pair of members (a, b) the point-to-point target is
@@ -24,7 +25,7 @@ the programs issue; tests/unit/test_cut.py checks that and convergence on simula
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cryosleep.core.interceptor import CommSlot, Rebuild, SlotState, WaitKind
@@ -310,6 +311,31 @@ def decide(now: float, deadline: float, views: Sequence[RankView], floor: Target
         why = "; ".join(raised) if raised else f"new maxima on {len(comms)} communicator(s)"
         return Decision(Action.WRITE, targets, why, tuple(stuck))
     return Decision(Action.WAIT, targets, "waiting for " + ", ".join(f"rank {r}" for r in unsettled))
+
+
+Ask = Callable[[int, Targets | None], Sequence[RankView]]
+"""One round of a drain carried out: ``ask(round, targets)`` writes ``targets`` on every rank and returns their
+fresh views once they answered (or a bounded wait ran out); ``ask(round, None)`` waits a little for the ranks
+to move on toward the targets already written, and returns their fresh views."""
+
+
+def to_cut(views: Sequence[RankView], ask: Ask, deadline: float,
+           now: Callable[[], float]) -> tuple[Decision, Sequence[RankView], int]:
+    """The drain's rounds: ``decide`` on the views, ``ask`` for the next round, until the decision is DONE or
+    GIVE_UP. Returns that decision, the views it was made on, and how many rounds were asked. The targets
+    written last are the next decision's ``floor`` (a target never goes down during a drain)."""
+    floor: dict[int, CommTarget] = {}
+    rounds = 0
+    while True:
+        d = decide(now(), deadline, views, floor)
+        if d.action in (Action.DONE, Action.GIVE_UP):
+            return d, views, rounds
+        rounds += 1
+        if d.action is Action.WRITE:
+            floor = d.targets
+            views = ask(rounds, d.targets)
+        else:
+            views = ask(rounds, None)
 
 
 def relay_plan(views: Sequence[tuple[int, Sequence[CommSlot]]], gen: int) -> tuple[list[IdRoute], list[int]]:

@@ -120,6 +120,71 @@ class ExpectedFile:
 
 
 @dataclass
+class NcclComm:
+    """One communicator of one rank at the cut: what its rebuild re-creates."""
+
+    ident: str
+    """The communicator's identity across its members, 16 hex digits."""
+    vid: int
+    """The application's handle for it (a small id, stable across restore)."""
+    rank: int
+    """This member's rank in the communicator."""
+    nranks: int
+    seq: int
+    """Collectives issued, the same on every member at the cut."""
+    sent: int
+    received: int
+    rebuild: int
+    """How it is re-created (``core.interceptor.Rebuild``: from a fresh id, or split from its parent)."""
+    state: int
+    """Its slot's state (``core.interceptor.SlotState``)."""
+    device: int
+
+
+@dataclass
+class NcclRank:
+    """One rank's NCCL interceptor at the cut."""
+
+    rank: int
+    ctl: str
+    """Its control block's path (brought back by the restore at the same path)."""
+    pid: int
+    """Its worker's PID, inside the job's PID namespace."""
+    nccl_version: int
+    comms: list[NcclComm] = field(default_factory=list)
+
+
+@dataclass
+class NcclCut:
+    """The NCCL interceptors of a node at the cut; empty (no ranks) when no worker had called NCCL."""
+
+    generation: int = 0
+    """The last command generation written to the control blocks (a restore writes above it)."""
+    ranks: list[NcclRank] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{}`` when empty (what manifests have always written, and what their MAC covers)."""
+        return asdict(self) if self.ranks or self.generation else {}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> NcclCut:
+        if data is None or data == {}:
+            return cls()
+        if not isinstance(data, dict) or not isinstance(data.get("ranks", []), list):
+            raise ManifestError(f"{where} is {data!r:.80}, not the NCCL interceptors at the cut")
+        ranks = []
+        for i, r in enumerate(data.get("ranks", [])):
+            at = f"{where}.ranks[{i}]"
+            raw = r.get("comms", []) if isinstance(r, dict) else None
+            if not isinstance(raw, list):
+                raise ManifestError(f"{at} is not a rank with a list of communicators")
+            comms = [_build(NcclComm, c, f"{at}.comms[{j}]") for j, c in enumerate(raw)]
+            ranks.append(_build(NcclRank, r, at, comms=comms))
+        built: NcclCut = _build(cls, data, where, ranks=ranks)
+        return built
+
+
+@dataclass
 class NodeImage:
     node_rank: int
     ranks: list[int]
@@ -130,10 +195,8 @@ class NodeImage:
     rss_bytes: int = 0
     gpu: dict[str, Any] = field(default_factory=dict)  # driver, gpus [{index, uuid, name}], cuda_pids
     mounts: list[str] = field(default_factory=list)  # host mountpoints the sandbox binds (CRIU externals)
-    # The NCCL interceptors at the cut: {"generation": G, "ranks": [{"rank", "ctl", "pid", "nccl_version",
-    # "comms": [{"ident", "vid", "rank", "nranks", "seq", "sent", "received", "rebuild", "state", "device"}]}]};
-    # empty when no worker had called NCCL. A restore rebuilds these communicators.
-    nccl: dict[str, Any] = field(default_factory=dict)
+    # The NCCL interceptors at the cut (empty when no worker had called NCCL): a restore rebuilds them.
+    nccl: NcclCut = field(default_factory=NcclCut)
     expected: list[ExpectedFile] = field(default_factory=list)  # files the destination must have, unchanged
     # Connections to peers outside the job, drained before the dump and reset at restore
     # (cryosleep.capture.outbound.before_dump): {"policy", "waited_s", "reset": [...], "kept": [...], "internal"}
@@ -170,6 +233,8 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        for node, n in zip(out["nodes"], self.nodes, strict=True):
+            node["nccl"] = n.nccl.to_json()
         out["bytes"] = self.bytes
         return out
 
@@ -216,7 +281,8 @@ class Manifest:
                 return [_build(item_cls, x, f"{where}.{name}[{j}]") for j, x in enumerate(raw)]
 
             nodes.append(_build(NodeImage, n, where, files=items("files", FileEntry),
-                                staged=items("staged", StagedFile), expected=items("expected", ExpectedFile)))
+                                staged=items("staged", StagedFile), expected=items("expected", ExpectedFile),
+                                nccl=NcclCut.from_json(n.get("nccl"), f"{where}.nccl")))
         m: Manifest = _build(cls, data, "the manifest", nodes=nodes)
         if not isinstance(m.job.get("name"), str) or not m.job["name"]:
             raise ManifestError("the manifest's job has no name")

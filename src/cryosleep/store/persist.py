@@ -46,6 +46,7 @@ from cryosleep.errors import BackendError, CaptureFailed, CryosleepError, NotFou
 from cryosleep.store.local import LocalStore, Staging
 from cryosleep.store.manifest import Manifest
 from cryosleep.store.retention import Policy, SnapshotInfo, decide
+from cryosleep.store.urls import is_remote, normalize_url, open_backend
 
 if TYPE_CHECKING:
     from cryosleep.store.auth import Trust
@@ -73,18 +74,6 @@ UPDATE_EVERY_S = 0.25  # the record's progress is rewritten at most this often
 ACTIVE = ("queued", "uploading", "verifying", "retrying")
 
 EventSink = Callable[[dict[str, Any]], None]  # where the transfer events go (progress=, the CLI's bars)
-
-
-def normalize_url(url: str | Path) -> str:
-    """A store URL as text; ``s3:/b/p`` (what argparse's Path makes of ``s3://b/p``) becomes ``s3://b/p``."""
-    text = str(url)
-    if text.startswith("s3:/") and not text.startswith("s3://"):
-        text = "s3://" + text[len("s3:/"):]
-    return text
-
-
-def is_remote(url: str | Path | None) -> bool:
-    return url is not None and normalize_url(url).startswith("s3://")
 
 
 @dataclass
@@ -119,9 +108,8 @@ class RemoteConfig:
 def open_chunk_store(url: str | Path) -> ChunkStore:
     # Imported here: the chunk store needs numpy, zstandard and cryptography; the capture path does not.
     from cryosleep.store.cas import ChunkStore
-    from cryosleep.store.urls import open_backend
 
-    return ChunkStore(open_backend(normalize_url(url)))
+    return ChunkStore(open_backend(url))
 
 
 def check_config(job: str, cfg: RemoteConfig) -> JobKey | None:

@@ -39,10 +39,10 @@ from minio.credentials.providers import IamAwsProvider, Provider, StaticProvider
 from minio.error import MinioException, S3Error
 from minio.helpers import DictType
 
-from cryosleep.errors import BackendError, Conflict, IntegrityError, ObjectNotFound
+from cryosleep.errors import BackendError, Conflict, IntegrityError, ObjectNotFound, UsageError
 from cryosleep.store.backend import ObjectInfo, check_name
 
-__all__ = ["S3Backend", "aws_settings"]
+__all__ = ["S3Backend", "aws_settings", "from_url"]
 
 PART = 16 << 20  # multipart part size for put_stream; smaller objects go up in one PUT
 _HINT = ("check the endpoint, bucket and credentials (AWS_* variables, ~/.aws files, $CRYOSLEEP_S3_ENDPOINT); "
@@ -93,6 +93,14 @@ def aws_settings(env: dict[str, str] | None = None) -> dict[str, str]:
     if endpoint:
         out["endpoint"] = endpoint.rstrip("/")
     return out
+
+
+def from_url(url: str) -> S3Backend:
+    """``s3://bucket[/prefix]`` (``store.urls.SCHEMES``)."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    if not bucket:
+        raise UsageError(f"invalid store URL {url!r}", "no bucket", "write s3://BUCKET[/PREFIX]")
+    return S3Backend(bucket, prefix)
 
 
 class S3Backend:

@@ -6,11 +6,18 @@
                   ``wait_for_change``; the machine goes 30 s after the notice
     AzureWatcher  Scheduled Events: an event of type ``Preempt``, its NotBefore the deadline (at least 30 s
                   for Spot VMs); acknowledged (StartRequests) once the job is safe, so the eviction need not wait
+    AlibabaWatcher  ECS preemptible instances: ``instance/spot/termination-time``, 404 until the instance is to
+                  be released, then the release time (UTC), about 5 minutes ahead; with a session token, as the
+                  metadata service's security hardening mode requires
 
 Each watcher's ``check()`` asks its endpoint once and returns a Notice or None, raising NoticeEndpointError
 when the endpoint cannot be read; ``watch()`` polls until a notice comes or it is stopped, logging endpoint
 errors and retrying: a metadata service that misbehaves never takes the agent down. Only the standard
 library's urllib speaks HTTP here. ``probe()`` finds which cloud's endpoint answers (``--notices auto``).
+
+A new source is one ``Watcher`` subclass here (its name, its documented endpoint, how to tell that endpoint
+answers, how to read a notice and its deadline) named in ``WATCHERS``: the CLI's ``--notices`` and
+``--notice-url``, ``--notices auto`` and the trigger runner take it from there.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "DEFAULT_URLS",
     "SOURCES",
+    "WATCHERS",
+    "AlibabaWatcher",
     "AwsWatcher",
     "AzureWatcher",
     "GceWatcher",
@@ -39,23 +48,18 @@ __all__ = [
     "probe",
 ]
 
-SOURCES = ("aws", "gce", "azure")
-# The documented link-local metadata endpoints (`--notice-url SOURCE=URL` replaces one).
-DEFAULT_URLS = {
-    "aws": "http://169.254.169.254",
-    "gce": "http://metadata.google.internal",
-    "azure": "http://169.254.169.254",
-}
 GCE_NOTICE_S = 30.0  # Compute Engine stops a preempted VM 30 s after the notice
 AZURE_MIN_S = 30.0  # Spot eviction: NotBefore at least 30 s after the event appears
 AWS_DEFAULT_S = 120.0  # spot interruption notices come 2 minutes ahead, when the time cannot be read
+# ECS releases a preemptible instance 5 minutes after its notice; a time that cannot be read is taken as less
+ALIBABA_DEFAULT_S = 120.0
 
 Log = Callable[[str], None]
 
 
 @dataclass(frozen=True)
 class Notice:
-    source: str  # aws | gce | azure
+    source: str  # a Watcher's source (SOURCES)
     deadline: float  # absolute, epoch seconds: when the machine goes
     detail: str  # what the endpoint said, in words
     event_id: str = ""  # the cloud's id for the event (Azure), to acknowledge it
@@ -100,19 +104,31 @@ def _http_date(text: str) -> float | None:
 
 
 class Watcher:
-    """One cloud's notice endpoint. Subclasses implement ``check``; ``done`` is called once the job is safe."""
+    """One cloud's notice endpoint. Subclasses implement ``check`` and ``answers``; ``done`` is called once the
+    job is safe."""
 
-    source = ""
+    source: ClassVar[str] = ""
+    """The name in ``--notices``, ``--notice-url SOURCE=URL`` and the trigger's ``notice:SOURCE``."""
+    default_url: ClassVar[str] = ""
+    """The cloud's documented link-local metadata endpoint (``--notice-url`` replaces it)."""
+    watch_options: ClassVar[dict[str, Any]] = {}
+    """Options the trigger runner watches with (``make_watcher`` applies them under the caller's)."""
 
     def __init__(self, base_url: str | None = None, *, interval: float = 5.0, timeout: float = 2.0,
                  clock: Callable[[], float] = time.time) -> None:
-        self.base = (base_url or DEFAULT_URLS[self.source]).rstrip("/")
+        self.base = (base_url or self.default_url).rstrip("/")
         self.interval = interval
         self.timeout = timeout
         self.clock = clock
         self.errors = 0  # consecutive endpoint errors
 
     def check(self) -> Notice | None:
+        raise NotImplementedError
+
+    @classmethod
+    def answers(cls, base: str, timeout: float) -> bool:
+        """The endpoint at ``base`` answers like this cloud's (``--notices auto``); raises NoticeEndpointError
+        when nothing answers."""
         raise NotImplementedError
 
     def done(self, notice: Notice, log: Log) -> None:
@@ -147,7 +163,10 @@ class AwsWatcher(Watcher):
     """EC2 spot instance-action through IMDSv2."""
 
     source = "aws"
+    default_url = "http://169.254.169.254"
     TOKEN_PATH = "/latest/api/token"
+    TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+    TOKEN_HEADER = "X-aws-ec2-metadata-token"
     ACTION_PATH = "/latest/meta-data/spot/instance-action"
 
     def __init__(self, base_url: str | None = None, *, token_ttl: int = 21600, **kw: Any) -> None:
@@ -161,19 +180,24 @@ class AwsWatcher(Watcher):
         # Renew once 90 % of its life is gone: never send a token that expires on the way.
         if self._token and now < self._token_expires:
             return self._token
-        status, _, body = _request("PUT", self.base + self.TOKEN_PATH,
-                                   {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl)}, self.timeout)
+        status, _, body = _request("PUT", self.base + self.TOKEN_PATH, {self.TOKEN_TTL_HEADER: str(self.token_ttl)},
+                                   self.timeout)
         if status != 200 or not body.strip():
-            raise NoticeEndpointError(f"IMDSv2 token request answered HTTP {status}: {body[:200]!r}")
+            raise NoticeEndpointError(f"the {self.source} metadata token request answered HTTP {status}: "
+                                      f"{body[:200]!r}")
         self._token = body.decode().strip()
         self._token_expires = now + self.token_ttl * 0.9
         return self._token
 
-    def check(self) -> Notice | None:
+    @classmethod
+    def answers(cls, base: str, timeout: float) -> bool:
+        status, _, body = _request("PUT", base + cls.TOKEN_PATH, {cls.TOKEN_TTL_HEADER: "60"}, timeout)
+        return status == 200 and bool(body.strip())
+
+    def _get(self, path: str) -> bytes | None:
+        """GET with the session token (a new one, once, on 401): the body, or None on 404 (no notice)."""
         for attempt in (1, 2):
-            token = self._get_token()
-            status, _, body = _request("GET", self.base + self.ACTION_PATH, {"X-aws-ec2-metadata-token": token},
-                                       self.timeout)
+            status, _, body = _request("GET", self.base + path, {self.TOKEN_HEADER: self._get_token()}, self.timeout)
             if status == 401 and attempt == 1:  # the token expired or was revoked: a new one, once
                 self._token = ""
                 continue
@@ -181,7 +205,13 @@ class AwsWatcher(Watcher):
         if status == 404:
             return None
         if status != 200:
-            raise NoticeEndpointError(f"spot/instance-action answered HTTP {status}: {body[:200]!r}")
+            raise NoticeEndpointError(f"{path.rpartition('meta-data/')[2]} answered HTTP {status}: {body[:200]!r}")
+        return body
+
+    def check(self) -> Notice | None:
+        body = self._get(self.ACTION_PATH)
+        if body is None:
+            return None
         now = self.clock()
         try:
             doc = json.loads(body)
@@ -199,6 +229,9 @@ class GceWatcher(Watcher):
     """Compute Engine ``instance/preempted``; ``long_poll`` uses wait_for_change (one request per change)."""
 
     source = "gce"
+    default_url = "http://metadata.google.internal"
+    # A long poll is answered the moment the value changes: the notice's 30 s are not spent polling.
+    watch_options: ClassVar[dict[str, Any]] = {"long_poll": True}
     PATH = "/computeMetadata/v1/instance/preempted"
 
     def __init__(self, base_url: str | None = None, *, long_poll: bool = False, long_poll_s: int = 60,
@@ -207,6 +240,11 @@ class GceWatcher(Watcher):
         self.long_poll = long_poll
         self.long_poll_s = long_poll_s
         self._etag = ""
+
+    @classmethod
+    def answers(cls, base: str, timeout: float) -> bool:
+        status, headers, _ = _request("GET", base + cls.PATH, {"Metadata-Flavor": "Google"}, timeout)
+        return status == 200 and headers.get("metadata-flavor", "").lower() == "google"
 
     def check(self) -> Notice | None:
         url, timeout = self.base + self.PATH, self.timeout
@@ -242,6 +280,7 @@ class AzureWatcher(Watcher):
     not known and cannot be read from the instance metadata)."""
 
     source = "azure"
+    default_url = "http://169.254.169.254"
     PATH = "/metadata/scheduledevents?api-version=2020-07-01"
     NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 
@@ -262,6 +301,11 @@ class AzureWatcher(Watcher):
             except NoticeEndpointError:
                 pass
         return self.vm_name
+
+    @classmethod
+    def answers(cls, base: str, timeout: float) -> bool:
+        status, _, body = _request("GET", base + cls.PATH, {"Metadata": "true"}, timeout)
+        return status == 200 and b"DocumentIncarnation" in body
 
     def check(self) -> Notice | None:
         status, _, body = _request("GET", self.base + self.PATH, {"Metadata": "true"}, self.timeout)
@@ -309,11 +353,39 @@ class AzureWatcher(Watcher):
             log(f"azure: acknowledged event {notice.event_id}")
 
 
-_WATCHERS: dict[str, type[Watcher]] = {"aws": AwsWatcher, "gce": GceWatcher, "azure": AzureWatcher}
+class AlibabaWatcher(AwsWatcher):
+    """Alibaba Cloud ECS preemptible instances: the metadata service's ``instance/spot/termination-time`` (404: no
+    notice; 200: the release time, UTC). Its session tokens work as IMDSv2's, under Alibaba's header names."""
+
+    source = "alibaba"
+    default_url = "http://100.100.100.200"
+    TOKEN_TTL_HEADER = "X-aliyun-ecs-metadata-token-ttl-seconds"
+    TOKEN_HEADER = "X-aliyun-ecs-metadata-token"
+    ACTION_PATH = "/latest/meta-data/instance/spot/termination-time"
+
+    def check(self) -> Notice | None:
+        body = self._get(self.ACTION_PATH)
+        if body is None:
+            return None
+        when = body.decode(errors="replace").strip()
+        deadline = _http_date(when)
+        if deadline is None:
+            deadline = self.clock() + ALIBABA_DEFAULT_S
+            when = f"{when[:64]!r} unreadable, assuming {ALIBABA_DEFAULT_S:g} s"
+        return Notice("alibaba", deadline, f"preemptible instance released at {when}")
+
+
+# The sources, in the order ``--notices auto`` lists them: a new one is named here.
+WATCHERS: tuple[type[Watcher], ...] = (AwsWatcher, GceWatcher, AzureWatcher, AlibabaWatcher)
+SOURCES = tuple(w.source for w in WATCHERS)
+DEFAULT_URLS = {w.source: w.default_url for w in WATCHERS}
+_BY_SOURCE = {w.source: w for w in WATCHERS}
 
 
 def make_watcher(source: str, base_url: str | None = None, **kw: Any) -> Watcher:
-    return _WATCHERS[source](base_url, **kw)
+    """The watcher of ``source``, with its ``watch_options`` under ``kw``."""
+    cls = _BY_SOURCE[source]
+    return cls(base_url, **{**cls.watch_options, **kw})
 
 
 def probe(urls: Mapping[str, str] | None = None, timeout: float = 1.0) -> list[str]:
@@ -321,25 +393,15 @@ def probe(urls: Mapping[str, str] | None = None, timeout: float = 1.0) -> list[s
     urls = urls or {}
     found: list[str] = []
 
-    def ask(source: str) -> None:
-        base = (urls.get(source) or DEFAULT_URLS[source]).rstrip("/")
+    def ask(cls: type[Watcher]) -> None:
         try:
-            if source == "aws":
-                status, _, body = _request("PUT", base + AwsWatcher.TOKEN_PATH,
-                                           {"X-aws-ec2-metadata-token-ttl-seconds": "60"}, timeout)
-                ok = status == 200 and bool(body.strip())
-            elif source == "gce":
-                status, headers, _ = _request("GET", base + GceWatcher.PATH, {"Metadata-Flavor": "Google"}, timeout)
-                ok = status == 200 and headers.get("metadata-flavor", "").lower() == "google"
-            else:
-                status, _, body = _request("GET", base + AzureWatcher.PATH, {"Metadata": "true"}, timeout)
-                ok = status == 200 and b"DocumentIncarnation" in body
+            ok = cls.answers((urls.get(cls.source) or cls.default_url).rstrip("/"), timeout)
         except NoticeEndpointError:
             ok = False
         if ok:
-            found.append(source)
+            found.append(cls.source)
 
-    threads = [threading.Thread(target=ask, args=(s,), daemon=True) for s in SOURCES]
+    threads = [threading.Thread(target=ask, args=(w,), daemon=True) for w in WATCHERS]
     for t in threads:
         t.start()
     for t in threads:

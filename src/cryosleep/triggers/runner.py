@@ -386,10 +386,7 @@ class TriggerRunner:
             self._log("notices: " + (f"watching {', '.join(sources)}" if sources else
                                      "no cloud metadata endpoint answers here; not watching for notices"))
         for source in sources:
-            # GCE answers a long poll the moment the value changes: the notice's 30 s are not spent polling.
-            extra: dict[str, Any] = {"long_poll": True} if source == "gce" else {}
-            w = notices.make_watcher(source, self.config.notice_urls.get(source), interval=self.config.notice_interval,
-                                     **extra)
+            w = notices.make_watcher(source, self.config.notice_urls.get(source), interval=self.config.notice_interval)
             self._thread(f"notice-{source}", functools.partial(self._watch, w))
 
     def _watch(self, w: notices.Watcher) -> None:

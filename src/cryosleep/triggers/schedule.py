@@ -161,7 +161,7 @@ USE_LAST = "use-last"  # take no new snapshot: end the job, to be restored from 
 class TriggerDecision:
     """What a trigger led to, and why: one record of ``decisions.jsonl`` (the outcome is added later)."""
 
-    trigger: str  # sigterm | sigusr1 | notice:aws | notice:gce | notice:azure | periodic
+    trigger: str  # sigterm | sigusr1 | notice:SOURCE (triggers.notices.SOURCES) | periodic
     mode: str  # stop | keep-running
     action: str  # snapshot | snapshot-no-upload-wait | use-last | skip
     reasons: list[str]
