@@ -116,6 +116,35 @@ def test_auto_picks_live_free_hosts_with_each_nodes_gpus(env: Env) -> None:
         e.value.why)
 
 
+def test_a_host_lost_before_its_order_fails_it_and_tells_the_other_nodes_barrier(env: Env) -> None:
+    """A host daemon that stops polling before it started its node's restore (killed: chaos two-node rounds,
+    seed 300): its order fails once it is lost, saying why, and its node's word at the restore's barrier is that
+    failure, so the other node's restore stops at once rather than wait out its timeout; an order its host had
+    started stays running (its restore goes on there by itself)."""
+    s = verified(env)
+    c = env.client()
+    c.host_poll("hostA", {"underlay": "10.0.0.1"}, 0)
+    c.host_poll("hostB", {"underlay": "10.0.0.2"}, 0)
+    st = c.place(s["id"], ["hostA", "hostB"])
+    (b,) = c.host_poll("hostB", {}, 5)
+    c.order_report(b["id"], "running")
+    env.coordinator.placements.lost_s = 0.5
+    time.sleep(0.7)  # hostA never polls again; hostB neither, but its order had started
+    now = c.placement(st["id"])
+    assert [n["state"] for n in now["nodes"]] == ["failed", "running"] and now["state"] == "running"
+    err = now["nodes"][0]["error"]
+    assert err["what"] == f"host 'hostA' was lost before it started the restore of node 0 of {s['id']}", err
+    assert "has not polled for" in err["why"] and "host serve" in err["hint"]
+    ready = c.rendezvous(s["id"], prefix="ready/")
+    assert list(ready) == ["ready/0"] and ready["ready/0"]["value"]["ok"] is False
+    assert ready["ready/0"]["value"]["host"] == "hostA" and "was lost" in ready["ready/0"]["value"]["problems"][0]
+    c.order_report(b["id"], "failed", error={"error": "not_eligible", "what": "another node cannot take its image"})
+    assert c.placement(st["id"])["state"] == "failed"
+    env.coordinator.placements.lost_s = placement.HOST_LOST_S
+    c.host_poll("hostA", {}, 0)
+    c.place(s["id"], ["hostA", "hostB"])  # the snapshot may be placed again
+
+
 def test_an_order_the_host_never_confirmed_is_delivered_again(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement, "REDELIVER_S", 0.3)
     s = verified(env, nnodes=1)

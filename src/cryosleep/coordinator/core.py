@@ -17,7 +17,7 @@ from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
 from cryosleep.coordinator.metrics import CoordinatorMetrics
-from cryosleep.coordinator.placement import Placements
+from cryosleep.coordinator.placement import Order, Placements
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
 from cryosleep.coordinator.rendezvous import Board
 from cryosleep.coordinator.shared import SharedStore
@@ -53,7 +53,8 @@ class Coordinator:
         self.hub = Hub(self.cfg.redeliver_s, gone_check_s=max(0.5, self.cfg.lost_after_s / 4))
         shared = SharedStore(catalog)  # written through, loaded back by a successor (coordinator/shared.py)
         self.board = Board(shared)  # multi-node restores meet here (coordinator/rendezvous.py)
-        self.placements = Placements(store=shared)  # host daemons, and snapshots placed on them (placement.py)
+        # host daemons, and snapshots placed on them (placement.py)
+        self.placements = Placements(store=shared, on_lost=self._host_lost)
         self.lock = threading.Lock()
         self.active: dict[str, SnapshotRun] = {}  # job -> its snapshot in progress
         self.threads: list[threading.Thread] = []
@@ -65,6 +66,15 @@ class Coordinator:
         self._recover()
         t = threading.Thread(target=self._flush_heartbeats, name="heartbeats", daemon=True)
         t.start()
+
+    def _host_lost(self, order: Order) -> None:
+        """A node's order failed, its host lost before it started: the node's word at the restore's barrier
+        (rendezvous.py), so that the other nodes' restores stop there at once, each saying why."""
+        err = order.error or {}
+        self.board.exchange(order.snapshot, {f"ready/{order.node_rank}": {
+            "ok": False, "problems": [f"{err.get('what')} ({err.get('why')})"], "gen": 0,
+            "token": f"lost-{order.id}", "host": order.host, "underlay": ""}})
+        self.log(f"placement {order.placement}: {err.get('what')}")
 
     # ---- recovery after a restart ----------------------------------------------------------------------------
 
