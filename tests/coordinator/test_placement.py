@@ -145,6 +145,33 @@ def test_a_host_lost_before_its_order_fails_it_and_tells_the_other_nodes_barrier
     c.place(s["id"], ["hostA", "hostB"])  # the snapshot may be placed again
 
 
+def test_an_order_whose_host_is_lost_after_it_started_is_done_by_the_restored_agents_word(env: Env) -> None:
+    """A host daemon killed after it started its node's restore (chaos two-node rounds, seed 300 again): the
+    restore went on there by itself and its agent registered; once the host is lost, that registration is the
+    order's result, so the placement ends instead of waiting out its timeout."""
+    s = verified(env)
+    c = env.client()
+    c.host_poll("hostA", {"underlay": "10.0.0.1"}, 0)
+    c.host_poll("hostB", {"underlay": "10.0.0.2"}, 0)
+    st = c.place(s["id"], ["hostA", "hostB"])
+    (a,) = c.host_poll("hostA", {}, 5)
+    c.order_report(a["id"], "running")
+    (b,) = c.host_poll("hostB", {}, 5)
+    c.order_report(b["id"], "running")
+    c.order_report(b["id"], "done", result={"job": "sim.node1"})
+    image = next(n["image"]["ref"] for n in c.snapshot_detail(s["id"])["nodes"] if n["node_rank"] == 0)
+    env.coordinator.register({"job": "sim", "nnodes": 2, "node_rank": 0, "incarnation": "restored",
+                              "facts": {"local_job": "sim.node0", "restored_from": image}})
+    env.coordinator.placements.lost_s = 0.5
+    time.sleep(0.7)
+    c.host_poll("hostB", {}, 0)  # hostA's daemon is gone; hostB's polls on
+    now = c.placement(st["id"])
+    assert now["state"] == "done", now
+    got = now["nodes"][0]["result"]
+    assert got["job"] == "sim.node0" and got["restored_from"] == image and "hostA" in got["reported_by"], got
+    env.coordinator.placements.lost_s = placement.HOST_LOST_S
+
+
 def test_an_order_the_host_never_confirmed_is_delivered_again(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(placement, "REDELIVER_S", 0.3)
     s = verified(env, nnodes=1)

@@ -162,7 +162,20 @@ class Coordinator:
                               address=str(body.get("address", "")), ranks=[int(r) for r in body.get("ranks") or ()],
                               facts=dict(body.get("facts") or {}), spec=dict(body.get("spec") or {}))
         self.hub.attach(agent_id, job, node_rank, incarnation)
+        facts = body.get("facts") or {}
+        if facts.get("restored_from"):  # a node restored by a placement's order, maybe: its word, should its host's
+            self._restored(node_rank, str(facts["restored_from"]), {  # daemon not report it
+                "job": facts.get("local_job"), "restored_from": facts["restored_from"], "agent": agent_id})
         return {"agent_id": agent_id, "poll_wait_s": self.cfg.poll_wait_s, "protocol": PROTOCOL_VERSION}
+
+    def _restored(self, node_rank: int, image: str, registration: dict[str, Any]) -> None:
+        for oid, sid in self.placements.running(node_rank):
+            try:
+                nodes = self.catalog.snapshot(sid).get("nodes") or ()
+            except NotFound:
+                continue
+            if any(int(n["node_rank"]) == node_rank and (n.get("image") or {}).get("ref") == image for n in nodes):
+                self.placements.agent_restored(oid, registration)
 
     def _unknown_agent(self, agent_id: str) -> NotFound:
         return NotFound(f"agent {agent_id!r} is not registered (or registered again since)",

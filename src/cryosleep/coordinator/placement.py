@@ -20,8 +20,9 @@ reports are taken).
 A host daemon that stops polling (killed, its machine gone) for ``lost_s`` is lost: each order it had not yet
 started fails, saying so, and the other nodes' restores are told at their barrier (``on_lost``), so that they
 stop at once rather than wait out their timeout, nothing started anywhere; the placement then ends, failed, and
-the snapshot can be placed again. An order it had started stays running: its restore goes on there by itself
-(the restore is not the daemon's child to end), and its result is what that host reports when it comes back.
+the snapshot can be placed again. An order it had started goes on there by itself (the restore is not the
+daemon's to end): once its restored agent registered with the coordinator (``agent_restored``), the order is
+done by that word; until then it stays running.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Order:
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     updated: float = field(default_factory=time.monotonic)
+    # the restored agent's registration (its job here, the image it came from): the order's result if its host is
+    # lost before it reports (kept in memory only)
+    registered: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "placement": self.placement, "host": self.host,
@@ -289,14 +293,38 @@ class Placements:
                     return out
                 self.cond.wait(min(left, 1.0))
 
+    def running(self, node_rank: int) -> list[tuple[str, str]]:
+        """(order id, snapshot) of the orders of node ``node_rank`` under way."""
+        with self.cond:
+            return [(o.id, o.snapshot) for o in self.orders.values()
+                    if o.node_rank == node_rank and o.state in ("delivered", "running")]
+
+    def agent_restored(self, oid: str, registration: dict[str, Any]) -> None:
+        """The agent restored by order ``oid`` registered with the coordinator: what the order's result is if its
+        host daemon is lost before it reports."""
+        with self.cond:
+            o = self.orders.get(oid)
+            if o is not None and o.state not in FINAL:
+                o.registered = registration
+                self.cond.notify_all()
+
     def _fail_lost(self, now: float) -> None:
-        """(lock held) The orders not yet started by a host that is lost fail; the others' barriers are told."""
+        """(lock held) The orders not yet started by a host that is lost fail, and the others' barriers are told;
+        those it started are done once their restored agent registered."""
         for o in self.orders.values():
-            if o.state not in ("queued", "delivered"):
+            if o.state in FINAL:
                 continue
             h = self.hosts.get(o.host)
             quiet = now - max(h.seen if h is not None else 0.0, self.started)
             if (h is not None and h.polling > 0) or quiet < self.lost_s:
+                continue
+            if o.state == "running" or (o.state == "delivered" and o.registered is not None):
+                if o.registered is not None:
+                    o.state, o.updated = "done", now
+                    o.result = {**o.registered, "reported_by": f"the restored agent (host {o.host!r}'s daemon "
+                                                               f"has not polled for {quiet:.0f} s)"}
+                    self._write(o)
+                    self.cond.notify_all()
                 continue
             o.state, o.updated = "failed", now
             o.error = NotEligible(
