@@ -14,7 +14,7 @@ import pytest
 from cryosleep.cli.host_cmd import HostDaemon
 from cryosleep.cli.main import main
 from cryosleep.coordinator import placement
-from cryosleep.coordinator.client import underlay_towards
+from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
 from cryosleep.errors import Busy, NotEligible
 from tests.coordinator.helpers import Env
 
@@ -116,16 +116,21 @@ def test_auto_picks_live_free_hosts_with_each_nodes_gpus(env: Env) -> None:
         e.value.why)
 
 
+def placed_on_a_and_b(env: Env) -> tuple[dict[str, Any], CoordinatorClient, dict[str, Any]]:
+    """A verified two-node snapshot placed on hostA and hostB, which polled once: (snapshot, client, placement)."""
+    s = verified(env)
+    c = env.client()
+    c.host_poll("hostA", {"underlay": "10.0.0.1"}, 0)
+    c.host_poll("hostB", {"underlay": "10.0.0.2"}, 0)
+    return s, c, c.place(s["id"], ["hostA", "hostB"])
+
+
 def test_a_host_lost_before_its_order_fails_it_and_tells_the_other_nodes_barrier(env: Env) -> None:
     """A host daemon that stops polling before it started its node's restore (killed: chaos two-node rounds,
     seed 300): its order fails once it is lost, saying why, and its node's word at the restore's barrier is that
     failure, so the other node's restore stops at once rather than wait out its timeout; an order its host had
     started stays running (its restore goes on there by itself)."""
-    s = verified(env)
-    c = env.client()
-    c.host_poll("hostA", {"underlay": "10.0.0.1"}, 0)
-    c.host_poll("hostB", {"underlay": "10.0.0.2"}, 0)
-    st = c.place(s["id"], ["hostA", "hostB"])
+    s, c, st = placed_on_a_and_b(env)
     (b,) = c.host_poll("hostB", {}, 5)
     c.order_report(b["id"], "running")
     env.coordinator.placements.lost_s = 0.5
@@ -149,11 +154,7 @@ def test_an_order_whose_host_is_lost_after_it_started_is_done_by_the_restored_ag
     """A host daemon killed after it started its node's restore (chaos two-node rounds, seed 300 again): the
     restore went on there by itself and its agent registered; once the host is lost, that registration is the
     order's result, so the placement ends instead of waiting out its timeout."""
-    s = verified(env)
-    c = env.client()
-    c.host_poll("hostA", {"underlay": "10.0.0.1"}, 0)
-    c.host_poll("hostB", {"underlay": "10.0.0.2"}, 0)
-    st = c.place(s["id"], ["hostA", "hostB"])
+    s, c, st = placed_on_a_and_b(env)
     (a,) = c.host_poll("hostA", {}, 5)
     c.order_report(a["id"], "running")
     (b,) = c.host_poll("hostB", {}, 5)
