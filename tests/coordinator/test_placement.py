@@ -14,7 +14,7 @@ import pytest
 from cryosleep.cli.host_cmd import HostDaemon
 from cryosleep.cli.main import main
 from cryosleep.coordinator import placement
-from cryosleep.coordinator.client import underlay_towards
+from cryosleep.coordinator.client import CoordinatorClient, underlay_towards
 from cryosleep.errors import Busy, NotEligible
 from tests.coordinator.helpers import Env
 
@@ -114,6 +114,63 @@ def test_auto_picks_live_free_hosts_with_each_nodes_gpus(env: Env) -> None:
         env.coordinator.placements.pick(env.coordinator.catalog.snapshot(s["id"]))
     assert "host b-h200 is restoring another node now" in e.value.why and "taken by the nodes before: d-h200" in (
         e.value.why)
+
+
+def placed_on_a_and_b(env: Env) -> tuple[dict[str, Any], CoordinatorClient, dict[str, Any]]:
+    """A verified two-node snapshot placed on hostA and hostB, which polled once: (snapshot, client, placement)."""
+    s = verified(env)
+    c = env.client()
+    c.host_poll("hostA", {"underlay": "10.0.0.1"}, 0)
+    c.host_poll("hostB", {"underlay": "10.0.0.2"}, 0)
+    return s, c, c.place(s["id"], ["hostA", "hostB"])
+
+
+def test_a_host_lost_before_its_order_fails_it_and_tells_the_other_nodes_barrier(env: Env) -> None:
+    """A host daemon that stops polling before it started its node's restore (killed: chaos two-node rounds,
+    seed 300): its order fails once it is lost, saying why, and its node's word at the restore's barrier is that
+    failure, so the other node's restore stops at once rather than wait out its timeout; an order its host had
+    started stays running (its restore goes on there by itself)."""
+    s, c, st = placed_on_a_and_b(env)
+    (b,) = c.host_poll("hostB", {}, 5)
+    c.order_report(b["id"], "running")
+    env.coordinator.placements.lost_s = 0.5
+    time.sleep(0.7)  # hostA never polls again; hostB neither, but its order had started
+    now = c.placement(st["id"])
+    assert [n["state"] for n in now["nodes"]] == ["failed", "running"] and now["state"] == "running"
+    err = now["nodes"][0]["error"]
+    assert err["what"] == f"host 'hostA' was lost before it started the restore of node 0 of {s['id']}", err
+    assert "has not polled for" in err["why"] and "host serve" in err["hint"]
+    ready = c.rendezvous(s["id"], prefix="ready/")
+    assert list(ready) == ["ready/0"] and ready["ready/0"]["value"]["ok"] is False
+    assert ready["ready/0"]["value"]["host"] == "hostA" and "was lost" in ready["ready/0"]["value"]["problems"][0]
+    c.order_report(b["id"], "failed", error={"error": "not_eligible", "what": "another node cannot take its image"})
+    assert c.placement(st["id"])["state"] == "failed"
+    env.coordinator.placements.lost_s = placement.HOST_LOST_S
+    c.host_poll("hostA", {}, 0)
+    c.place(s["id"], ["hostA", "hostB"])  # the snapshot may be placed again
+
+
+def test_an_order_whose_host_is_lost_after_it_started_is_done_by_the_restored_agents_word(env: Env) -> None:
+    """A host daemon killed after it started its node's restore (chaos two-node rounds, seed 300 again): the
+    restore went on there by itself and its agent registered; once the host is lost, that registration is the
+    order's result, so the placement ends instead of waiting out its timeout."""
+    s, c, st = placed_on_a_and_b(env)
+    (a,) = c.host_poll("hostA", {}, 5)
+    c.order_report(a["id"], "running")
+    (b,) = c.host_poll("hostB", {}, 5)
+    c.order_report(b["id"], "running")
+    c.order_report(b["id"], "done", result={"job": "sim.node1"})
+    image = next(n["image"]["ref"] for n in c.snapshot_detail(s["id"])["nodes"] if n["node_rank"] == 0)
+    env.coordinator.register({"job": "sim", "nnodes": 2, "node_rank": 0, "incarnation": "restored",
+                              "facts": {"local_job": "sim.node0", "restored_from": image}})
+    env.coordinator.placements.lost_s = 0.5
+    time.sleep(0.7)
+    c.host_poll("hostB", {}, 0)  # hostA's daemon is gone; hostB's polls on
+    now = c.placement(st["id"])
+    assert now["state"] == "done", now
+    got = now["nodes"][0]["result"]
+    assert got["job"] == "sim.node0" and got["restored_from"] == image and "hostA" in got["reported_by"], got
+    env.coordinator.placements.lost_s = placement.HOST_LOST_S
 
 
 def test_an_order_the_host_never_confirmed_is_delivered_again(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryosleep.capture import criu_install, netlock
 from cryosleep.core import proctree
@@ -83,6 +84,15 @@ class _Round:
         for n in self.nodes:
             st = self.hosts[0].job(n).read()[1]
             out.append(st.state in ("starting", "running") or (st.state == "lost" and proctree.alive(st.init_pid)))
+        return out
+
+    def valid(self) -> list[str]:
+        """The job's valid snapshots, oldest first, asked as an operator would: host A's CLI, from inside host A's
+        network namespace, where the coordinator listens."""
+        return [str(s["id"]) for s in self.hosts[0].coordinator("snapshots", self.name, "--valid")]
+
+    def detail(self, sid: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.hosts[0].coordinator("show", sid)
         return out
 
     def steps(self) -> int:
@@ -160,11 +170,13 @@ class _Round:
                 for t in netlock.blocking([*h.prefix, *nft], port):
                     left.append(f"CRIU lock table {t} on host {'AB'[i]}")
             if ended:
-                names = {x["ifname"] for x in Host(h.ns_pid).links()}
+                host = Host(h.ns_pid)
+                names = {x["ifname"] for x in host.links()}
                 for n in (0, 1):
                     net = job_net(f"{self.name}-run", n, 2)
                     if {net.bridge, net.vxlan} & names:
-                        left.append(f"the job network ({net.bridge}, {net.vxlan}) on host {'AB'[i]}")
+                        left.append(f"the job network ({net.bridge}, {net.vxlan}) on host {'AB'[i]}, its bridge's "
+                                    f"ports {host.bridge_ports(net.bridge)}")
                         break
         if criu_dumps(self.store) or criu_restores(self.store):
             left.append(f"CRIU processes {criu_dumps(self.store) + criu_restores(self.store)}")
@@ -249,7 +261,7 @@ def _play(r: _Round, url: str, res: chaos.Result) -> None:
         res.problems += r.identical()
     elif state == "ended":
         res.outcome = "ended-restored"
-        valid = r.coord.valid(r.name)
+        valid = r.valid()
         if not valid:
             res.problems.append("the job ended with no valid snapshot")
         else:
@@ -264,8 +276,8 @@ def _play(r: _Round, url: str, res: chaos.Result) -> None:
     else:
         res.outcome = "half"
         res.problems.append(f"one node of the job is running, the other not: {r.states()} {r.live()}")
-    for sid in r.coord.valid(r.name):
-        for i, n in enumerate(r.coord.detail(sid)["nodes"]):
+    for sid in r.valid():
+        for i, n in enumerate(r.detail(sid)["nodes"]):
             if not ha.cli_json("verify", n["image"]["ref"], check=False).get("ok"):
                 res.problems.append(f"snapshot {sid} is valid but node {i}'s image does not verify")
     res.problems += r.leftovers(port)

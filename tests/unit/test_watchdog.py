@@ -20,6 +20,8 @@ if sys.argv[3] == "arm":
 elif sys.argv[3] == "arm-disarm":
     w.arm("a stop snapshot")
     w.disarm()
+if len(sys.argv) > 5:  # a snapshot under way: its staging directory
+    w.staging(sys.argv[5])
 print("ready", w.proc.pid, flush=True)
 if sys.argv[4] == "exit":
     w.close()
@@ -70,6 +72,37 @@ def test_the_sandbox_dies_with_its_agent_only_while_armed(tmp_path: Path, mode: 
             time.sleep(0.3)
             assert sandbox.poll() is None, "not armed: the sandbox survives its agent"
             assert not log.exists()
+    finally:
+        sandbox.kill()
+        sandbox.wait()
+        if agent.poll() is None:
+            agent.kill()
+
+
+@pytest.mark.parametrize("end", ["die", "exit"])
+def test_a_dead_agents_staging_is_removed_whatever_the_moment(tmp_path: Path, end: str) -> None:
+    """Unarmed (a snapshot's preflight, before the cut): the sandbox runs on, but the staging directory of the
+    snapshot the agent had under way goes with it (the agent's own end leaves that to the agent)."""
+    sandbox = subprocess.Popen(["sleep", "600"])
+    log = tmp_path / "agent.log"
+    staging = tmp_path / "store" / ".staging" / "job-20261202-000000-abcd"
+    (staging / "nodes" / "0").mkdir(parents=True)
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(sandbox.pid), str(log), "none", end, str(staging)],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 p for p in sys.path if p)})
+    try:
+        assert agent.stdout is not None
+        watchdog = int(agent.stdout.readline().split()[1])
+        if end == "die":
+            agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+        assert wait_gone(watchdog, 10), "the watchdog outlived its agent"
+        assert sandbox.poll() is None, "not armed: the sandbox survives its agent"
+        if end == "die":
+            assert not staging.exists()
+            assert f"its staging directory {staging} removed" in log.read_text()
+        else:
+            assert staging.is_dir() and not log.exists()
     finally:
         sandbox.kill()
         sandbox.wait()

@@ -281,6 +281,13 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.dump(self.state.dump, criu_install.locate().nft_argv if rec is not None else None)
 
+    def on_staging(self, path: str | None) -> None:
+        """The staging directory of the snapshot under way, recorded likewise (capture/netlock.py)."""
+        self.state.staging = path
+        self.save_state()
+        if self.watchdog is not None:
+            self.watchdog.staging(path)
+
     def undo_dead_dump(self) -> None:
         """(the job's lock just taken) What a previous agent of this job left on this host when it died during a
         dump is undone (capture/netlock.py)."""
@@ -440,7 +447,8 @@ class Agent:
             signal.signal(sig, self._on_signal)
         if self.triggers is not None:
             self.triggers.start()
-        self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log))
+        self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log), self.spec.net or None,
+                                 self.state.net_end)
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         if self.spec.interceptor and self.spec.fast_path and os.environ.get(PREPARE_ENV):
             threading.Thread(target=self._prepare_loop, name="prepare", daemon=True).start()
@@ -665,7 +673,7 @@ class Agent:
         target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
                                          restored_from=self.state.restored_from, end=end, ctl=ctl,
                                          log=self.log_line if self.out is None else None, arm=self.arm,
-                                         on_dump=self.on_dump)
+                                         on_dump=self.on_dump, on_staging=self.on_staging)
         if self.persister is None and persist:
             self.persister = store_persist.for_job(self.spec.name, self.spec.persist,
                                                    self.log_line if self.out is None else None)

@@ -9,35 +9,49 @@ fails as a whole and its last verified snapshot is what to restore (docs/reliabi
 under way or held the job (``dump JSON``: capture/netlock.py), the watchdog also ends that CRIU and removes
 its network lock, which would otherwise stay on the host and hang the restore.
 
-The agent writes one line per change to the watchdog's stdin (a pipe): ``arm REASON`` or ``disarm``; it closes
-the pipe (or dies) to end it. The sandbox's init is named by PID once, at start, and held by a pidfd, so a
-recycled PID is never signalled.
+Whatever the moment, a dead agent's snapshot under way leaves its staging directory (``staging PATH``), and its
+job's network its bridge and overlay on the host (``net JSON``): the watchdog removes the staging at once, and
+releases the job network once the sandbox has ended (killed here, or later, by itself, when it ran on unsupervised
+because the agent died outside the armed window), as the agent would have on its way out.
+
+The agent writes one line per change to the watchdog's stdin (a pipe): ``arm REASON``, ``disarm``, ``dump
+JSON``, ``staging [PATH]``, ``net JSON``; on its own way out, after its job ended, ``end`` (nothing to undo);
+then it closes the pipe. A pipe that closes without ``end`` is the agent's death. The sandbox's init is named
+by PID once, at start, and held by a pidfd, so a recycled PID is never signalled.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from cryosleep.capture import netlock
+from cryosleep.net import sandbox as net_sandbox
 
 
 class Watchdog:
     """The agent's side: spawns the watchdog for one sandbox, arms and disarms it."""
 
-    def __init__(self, init_pid: int, log: str) -> None:
+    def __init__(self, init_pid: int, log: str, net: dict[str, Any] | None = None,
+                 net_end: str | None = None) -> None:
+        """``net``: the job network's JSON (JobSpec.net) and ``net_end`` the sandbox's veth host end, released
+        here if the agent dies."""
         self.lock = threading.Lock()
         self.armed = False
         self.proc = subprocess.Popen([sys.executable, "-m", "cryosleep.agent.watchdog", str(init_pid), log],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
+        if net:
+            self._say("net " + json.dumps({"net": net, "end": net_end}))
 
     def _say(self, line: str) -> None:
         stdin = self.proc.stdin
@@ -66,15 +80,21 @@ class Watchdog:
         with self.lock:
             self._say("dump " + json.dumps({"rec": rec, "nft": list(nft) if nft else None} if rec else None))
 
+    def staging(self, path: str | None) -> None:
+        """The staging directory of the snapshot under way, or None once it was published or removed."""
+        with self.lock:
+            self._say("staging " + (path or ""))
+
     def close(self) -> None:
+        """The agent's own end, its job ended: nothing for the watchdog to undo."""
         with self.lock:
             self.armed = False
-            self._say("disarm")
+            self._say("end")
             if self.proc.stdin is not None:
                 try:
                     self.proc.stdin.close()
                 except OSError:
-                    pass  # it is gone already (its "disarm" could not be flushed)
+                    pass  # it is gone already (its "end" could not be flushed)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -93,30 +113,53 @@ def main(argv: list[str]) -> int:
         return 0  # the sandbox is gone already
     armed: str | None = None
     dump: dict[str, Any] | None = None
+    staging = ""
+    net: dict[str, Any] | None = None
     for raw in sys.stdin.buffer:
         line = raw.decode(errors="replace").strip()
+        if line == "end":
+            return 0  # the agent's own end: it released all it had
         if line.startswith("arm"):
             armed = line[4:] or "a snapshot"
         elif line == "disarm":
             armed = None
         elif line.startswith("dump "):
             dump = json.loads(line[5:])
-    if armed is None and dump is None:
-        return 0  # the agent ended (or died) with the job in a state it survives
-    try:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        what = "killed"
-    except OSError as e:
-        what = f"could not be killed ({e})"
-    undone = netlock.undo(netlock.DumpRecord.from_json(dump["rec"]), dump["nft"]) if dump else []
+        elif line.startswith("staging"):
+            staging = line[8:]
+        elif line.startswith("net "):
+            net = json.loads(line[4:])
+    undone: list[str] = []
+    if armed is not None or dump is not None:
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            what = "killed"
+        except OSError as e:
+            what = f"could not be killed ({e})"
+        undone.append(f"the sandbox (init {init_pid}) {what}, so that no part of the job is left half-captured")
+        if dump:
+            undone += netlock.undo(netlock.DumpRecord.from_json(dump["rec"]), dump["nft"])
+    if staging:
+        undone += netlock.undo_staging(Path(staging))
+    if undone:
+        killed = armed is not None or dump is not None
+        during = armed or ("a dump" if dump else "a snapshot")
+        _say(log, f"the agent died during {during}: " + "; ".join(undone)
+             + ("; restore the job's last verified snapshot" if killed else ""))
+    if net is not None:  # the sandbox's end (now, or when the job ends by itself, unsupervised), then the release
+        select.select([pidfd], [], [])
+        net_sandbox.release(net["net"], own_end=net["end"])
+        _say(log, "the agent had died: its job's sandbox ended, the job network released on this host (its bridge "
+             "and overlay, if no other node of the job uses them here)")
+    return 0
+
+
+def _say(log: str, text: str) -> None:
     try:
         with open(log, "a") as f:
-            f.write(f"cryosleep watchdog: {time.strftime('%H:%M:%S')} the agent died during {armed or 'a dump'}: "
-                    f"the sandbox (init {init_pid}) {what}, so that no part of the job is left half-captured"
-                    f"{'; ' + ', '.join(undone) if undone else ''}; restore the job's last verified snapshot\n")
+            f.write(f"cryosleep watchdog: {time.strftime('%H:%M:%S')} {text}\n")
     except OSError:
         pass
-    return 0
 
 
 if __name__ == "__main__":

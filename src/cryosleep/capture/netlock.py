@@ -82,14 +82,31 @@ def undo_dead_dump(job: JobDir, log: Callable[[str], None]) -> None:
         old = job.read()[1]
     except (CryosleepError, OSError, ValueError, KeyError, TypeError):
         return
-    if old.dump:
+    done = undo_state(old.dump, old.staging)
+    if done:
+        log(f"job {job.name}'s previous agent died during a {'dump' if old.dump else 'snapshot'}: " + ", ".join(done))
+
+
+def undo_state(dump: dict[str, Any] | None, staging: str | None) -> list[str]:
+    """What a dead agent's job state names (JobState.dump, JobState.staging), undone; returns what was done."""
+    done: list[str] = []
+    if dump:
         try:
             nft = criu_install.locate().nft_argv
         except CryosleepError:
             nft = None
-        done = undo(DumpRecord.from_json(old.dump), nft)
-        if done:
-            log(f"job {job.name}'s previous agent died during a dump: " + ", ".join(done))
+        done += undo(DumpRecord.from_json(dump), nft)
+    if staging:
+        done += undo_staging(Path(staging))
+    return done
+
+
+def undo_staging(staging: Path) -> list[str]:
+    """A dead agent's snapshot under way: its staging directory (``<store>/.staging/<snapshot id>``) removed."""
+    if staging.parent.name == ".staging" and staging.is_dir():
+        shutil.rmtree(staging, ignore_errors=True)
+        return [f"its staging directory {staging} removed"]
+    return []
 
 
 def undo(rec: DumpRecord, nft: Sequence[str] | None) -> list[str]:
@@ -111,10 +128,7 @@ def undo(rec: DumpRecord, nft: Sequence[str] | None) -> list[str]:
             if of_run(name, rid):
                 subprocess.run([*nft, "delete", "table", family, name], capture_output=True, check=False)
                 done.append(f"its network lock (nftables table {family} {name}) removed")
-    staging = Path(rec.dir).parent.parent  # <store>/.staging/<snapshot id>/nodes/<rank>
-    if staging.parent.name == ".staging" and staging.is_dir():
-        shutil.rmtree(staging, ignore_errors=True)
-        done.append(f"its staging directory {staging} removed")
+    done += undo_staging(Path(rec.dir).parent.parent)  # <store>/.staging/<snapshot id>/nodes/<rank>
     return done
 
 

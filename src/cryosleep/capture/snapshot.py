@@ -95,6 +95,9 @@ class Target:
     # Records (a DumpRecord) or forgets (None) the CRIU dump under way or holding the job, in the job's state and
     # with its watchdog: what a survivor of a dead agent undoes (capture/netlock.py)
     on_dump: Callable[[netlock.DumpRecord | None], None] | None = None
+    # Records (its path) or forgets (None) the staging directory of the snapshot under way, likewise: a dead
+    # agent's survivor removes it, whatever the moment
+    on_staging: Callable[[str | None], None] | None = None
 
 
 def host_facts(criu: criu_install.Criu, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -223,6 +226,7 @@ class NodeCapture:
             own_mnt = proctree.other_ns(target.init_pid, "mnt")
             self.mounts = criu_calls.external_mounts(target.init_pid) if own_mnt else []
             self.staging = self.store.begin(target.spec.name)
+            self.record_staging(str(self.staging.path))
 
     def before_pause(self) -> None:
         """Job still running: outside peers' send queues drained (bounded); the fast path's staging grown."""
@@ -303,6 +307,10 @@ class NodeCapture:
         if self.target.on_dump is not None:
             self.target.on_dump(rec)
 
+    def record_staging(self, path: str | None) -> None:
+        if self.target.on_staging is not None:
+            self.target.on_staging(path)
+
     def commit(self) -> Manifest:
         """The fast path's device memory copied into the image, every file hashed, the snapshot published."""
         staging, target = self.staging, self.target
@@ -332,6 +340,7 @@ class NodeCapture:
         with self.phases.phase("commit"):
             self.store.commit(staging, manifest)
             self.committed = True
+            self.record_staging(None)  # published: a snapshot of the store now, no staging left
         self.manifest = manifest
         return manifest
 
@@ -402,6 +411,7 @@ class NodeCapture:
         if self.staging is not None:
             self.store.abort(self.staging)
             self.staging = None
+            self.record_staging(None)
         return problems
 
     def explain(self, e: BaseException) -> CryosleepError:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cryosleep.capture import criu_install, eligibility, netlock
+from cryosleep.capture import eligibility, netlock
 from cryosleep.cli.output import emit_json, table
 from cryosleep.core import privileges, proctree
 from cryosleep.core.interceptor import attach_published
 from cryosleep.core.job import JobDir, list_jobs
-from cryosleep.errors import CryosleepError
 
 
 def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,19 +56,13 @@ def _dead_dumps() -> list[eligibility.Check]:
     """What the agents of this machine's jobs left when they died during a dump (their CRIU, network lock and
     staging: capture/netlock.py) is undone here, and told."""
     out: list[eligibility.Check] = []
-    dead = [(spec, st) for spec, st in list_jobs() if st.dump and not JobDir(spec.name).agent_alive()]
-    if not dead:
-        return out
-    try:
-        nft = criu_install.locate().nft_argv
-    except CryosleepError:
-        nft = None
+    dead = [(spec, st) for spec, st in list_jobs()
+            if (st.dump or st.staging) and not JobDir(spec.name).agent_alive()]
     for spec, st in dead:
-        assert st.dump is not None
-        done = netlock.undo(netlock.DumpRecord.from_json(st.dump), nft)
+        done = netlock.undo_state(st.dump, st.staging)
         if done:
-            out.append(eligibility.Check("dead agent's dump", True,
-                                         f"job {spec.name}'s agent died during a dump; undone: {', '.join(done)}"))
+            out.append(eligibility.Check("dead agent's dump", True, f"job {spec.name}'s agent died during a "
+                                         f"{'dump' if st.dump else 'snapshot'}; undone: {', '.join(done)}"))
     return out
 
 

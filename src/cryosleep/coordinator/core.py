@@ -18,7 +18,7 @@ from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
 from cryosleep.coordinator.metrics import CoordinatorMetrics
-from cryosleep.coordinator.placement import Placements
+from cryosleep.coordinator.placement import Order, Placements
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
 from cryosleep.coordinator.queue import Entry, RestoreQueue
 from cryosleep.coordinator.rendezvous import Board
@@ -53,7 +53,8 @@ class Coordinator:
         self.hub = Hub(self.cfg.redeliver_s)
         shared = SharedStore(catalog)  # written through, loaded back by a successor (coordinator/shared.py)
         self.board = Board(shared)  # multi-node restores meet here (coordinator/rendezvous.py)
-        self.placements = Placements(store=shared)  # host daemons, and snapshots placed on them (placement.py)
+        # host daemons, and snapshots placed on them (placement.py)
+        self.placements = Placements(store=shared, on_lost=self._host_lost)
         self.queue = RestoreQueue(self.placements, catalog.snapshot, self._runs, self._busy_hosts, self._queue_event,
                                   shared)  # restores waiting for capacity (queue.py)
         self.lock = threading.Lock()
@@ -68,6 +69,15 @@ class Coordinator:
         t = threading.Thread(target=self._flush_heartbeats, name="heartbeats", daemon=True)
         t.start()
         threading.Thread(target=self.queue.serve, kwargs={"log": self.log}, name="queue", daemon=True).start()
+
+    def _host_lost(self, order: Order) -> None:
+        """A node's order failed, its host lost before it started: the node's word at the restore's barrier
+        (rendezvous.py), so that the other nodes' restores stop there at once, each saying why."""
+        err = order.error or {}
+        self.board.exchange(order.snapshot, {f"ready/{order.node_rank}": {
+            "ok": False, "problems": [f"{err.get('what')} ({err.get('why')})"], "gen": 0,
+            "token": f"lost-{order.id}", "host": order.host, "underlay": ""}})
+        self.log(f"placement {order.placement}: {err.get('what')}")
 
     # ---- recovery after a restart ----------------------------------------------------------------------------
 
@@ -156,7 +166,20 @@ class Coordinator:
                               address=str(body.get("address", "")), ranks=[int(r) for r in body.get("ranks") or ()],
                               facts=dict(body.get("facts") or {}), spec=dict(body.get("spec") or {}))
         self.hub.attach(agent_id, job, node_rank, incarnation)
+        facts = body.get("facts") or {}
+        if facts.get("restored_from"):  # a node restored by a placement's order, maybe: its word, should its host's
+            self._restored(node_rank, str(facts["restored_from"]), {  # daemon not report it
+                "job": facts.get("local_job"), "restored_from": facts["restored_from"], "agent": agent_id})
         return {"agent_id": agent_id, "poll_wait_s": self.cfg.poll_wait_s, "protocol": PROTOCOL_VERSION}
+
+    def _restored(self, node_rank: int, image: str, registration: dict[str, Any]) -> None:
+        for oid, sid in self.placements.running(node_rank):
+            try:
+                nodes = self.catalog.snapshot(sid).get("nodes") or ()
+            except NotFound:
+                continue
+            if any(int(n["node_rank"]) == node_rank and (n.get("image") or {}).get("ref") == image for n in nodes):
+                self.placements.agent_restored(oid, registration)
 
     def _unknown_agent(self, agent_id: str) -> NotFound:
         return NotFound(f"agent {agent_id!r} is not registered (or registered again since)",

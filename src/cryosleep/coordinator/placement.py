@@ -16,6 +16,13 @@ Hosts, orders and placements live in the coordinator's memory, written through t
 and every ``HOST_WRITE_S``): a restarted coordinator, or a standby taking over, loads them back, so that a
 placement in progress goes on (its orders are delivered again if they were not reported running, and their
 reports are taken).
+
+A host daemon that stops polling (killed, its machine gone) for ``lost_s`` is lost: each order it had not yet
+started fails, saying so, and the other nodes' restores are told at their barrier (``on_lost``), so that they
+stop at once rather than wait out their timeout, nothing started anywhere; the placement then ends, failed, and
+the snapshot can be placed again. An order it had started goes on there by itself (the restore is not the
+daemon's to end): once its restored agent registered with the coordinator (``agent_restored``), the order is
+done by that word; until then it stays running.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ REDELIVER_S = 10.0  # an order delivered but not reported running is delivered a
 FINAL = ("done", "failed")
 KEEP_S = 24 * 3600.0  # finished placements are forgotten after this long
 HOST_WRITE_S = 10.0  # a polling host's last-seen time is written through this often
+HOST_LOST_S = 30.0  # a host daemon with no poll open and none for this long is lost (its unstarted orders fail)
 
 
 @dataclass
@@ -51,6 +59,9 @@ class Order:
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     updated: float = field(default_factory=time.monotonic)
+    # the restored agent's registration (its job here, the image it came from): the order's result if its host is
+    # lost before it reports (kept in memory only)
+    registered: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "placement": self.placement, "host": self.host,
@@ -75,9 +86,15 @@ class HostEntry:
 class Placements:
     """The hosts, their orders and the placements (thread-safe; one condition wakes every waiter)."""
 
-    def __init__(self, fresh_s: float = HOST_FRESH_S, store: SharedStore | None = None) -> None:
+    def __init__(self, fresh_s: float = HOST_FRESH_S, store: SharedStore | None = None, lost_s: float = HOST_LOST_S,
+                 on_lost: Callable[[Order], None] | None = None) -> None:
+        """``on_lost``: told of each order failed because its host was lost before it started it (with this
+        object's lock held: it must not call back here)."""
         self.cond = threading.Condition()
         self.fresh_s = fresh_s
+        self.lost_s = lost_s
+        self.on_lost = on_lost
+        self.started = time.monotonic()  # a host is not lost for the time this coordinator did not serve
         self.store = store
         self.hosts: dict[str, HostEntry] = {}
         self.orders: dict[str, Order] = {}
@@ -141,6 +158,7 @@ class Placements:
                     left = end - now
                     if gone():  # the daemon went away with its poll: what it did not get stays queued
                         return {"orders": []}
+                    self._fail_lost(now)  # another host's, while this one waits
                     if mine or left <= 0:
                         for o in mine:
                             o.state, o.updated = "delivered", time.monotonic()
@@ -294,11 +312,57 @@ class Placements:
                 if pid not in self.placements:
                     raise NotFound(f"no placement {pid}", "the coordinator does not know it (restarted?)",
                                    "list the job's snapshots and place one again")
+                self._fail_lost(time.monotonic())
                 out = self._status(pid)
                 left = end - time.monotonic()
                 if out["version"] != seen or out["state"] in FINAL or left <= 0:
                     return out
                 self.cond.wait(min(left, 1.0))
+
+    def running(self, node_rank: int) -> list[tuple[str, str]]:
+        """(order id, snapshot) of the orders of node ``node_rank`` under way."""
+        with self.cond:
+            return [(o.id, o.snapshot) for o in self.orders.values()
+                    if o.node_rank == node_rank and o.state in ("delivered", "running")]
+
+    def agent_restored(self, oid: str, registration: dict[str, Any]) -> None:
+        """The agent restored by order ``oid`` registered with the coordinator: what the order's result is if its
+        host daemon is lost before it reports."""
+        with self.cond:
+            o = self.orders.get(oid)
+            if o is not None and o.state not in FINAL:
+                o.registered = registration
+                self.cond.notify_all()
+
+    def _fail_lost(self, now: float) -> None:
+        """(lock held) The orders not yet started by a host that is lost fail, and the others' barriers are told;
+        those it started are done once their restored agent registered."""
+        for o in self.orders.values():
+            if o.state in FINAL:
+                continue
+            h = self.hosts.get(o.host)
+            quiet = now - max(h.seen if h is not None else 0.0, self.started)
+            if (h is not None and h.polling > 0) or quiet < self.lost_s:
+                continue
+            if o.state == "running" or (o.state == "delivered" and o.registered is not None):
+                if o.registered is not None:
+                    o.state, o.updated = "done", now
+                    o.result = {**o.registered, "reported_by": f"the restored agent (host {o.host!r}'s daemon "
+                                                               f"has not polled for {quiet:.0f} s)"}
+                    self._write(o)
+                    self.cond.notify_all()
+                continue
+            o.state, o.updated = "failed", now
+            o.error = NotEligible(
+                f"host {o.host!r} was lost before it started the restore of node {o.node_rank} of {o.snapshot}",
+                f"its host daemon has not polled for {quiet:.0f} s (stopped, killed, or its machine gone); the "
+                "other nodes' restores were told at their barrier, so nothing was started anywhere",
+                "start `cryosleep host serve` there again, or place the snapshot on other hosts: the snapshot "
+                "is untouched").to_json()
+            self._write(o)
+            if self.on_lost is not None:
+                self.on_lost(o)
+            self.cond.notify_all()
 
     def _status(self, pid: str) -> dict[str, Any]:
         orders = [self.orders[o] for o in self.placements[pid]]

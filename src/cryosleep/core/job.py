@@ -154,6 +154,7 @@ class JobState:
     # a CRIU dump under way or holding the job under its network lock (capture.netlock.DumpRecord as JSON):
     # what a survivor of a dead agent undoes
     dump: dict[str, Any] | None = None
+    staging: str | None = None  # the staging directory of the snapshot under way: a survivor removes it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
