@@ -44,9 +44,12 @@ def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness, tmp_path: Path
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["dropout-lr-schedule", "dataloader-2-workers-sampler"])
-def test_dropout_lr_schedule_and_dataloader_workers(h: Harness, workers: int) -> None:
+def test_dropout_lr_schedule_and_dataloader_workers(h: Harness, workers: int, tmp_path: Path) -> None:
     script = workload("demo_train")
-    args = ["--steps", "50", "--step-sleep", "0.05", "--workers", str(workers)]
+    # the job waits after its last step (--linger): under load its 50 steps were once done before the stop
+    # snapshot reached it (nothing left to stop)
+    linger = tmp_path / "linger"
+    args = ["--steps", "50", "--step-sleep", "0.05", "--workers", str(workers), "--linger", str(linger)]
     name = f"dl{workers}"
     h.run(name, script, args)
     h.wait_step(name, 12)
@@ -55,6 +58,7 @@ def test_dropout_lr_schedule_and_dataloader_workers(h: Harness, workers: int) ->
     s = h.snapshot(name, "--stop")
     assert h.wait_end(name) == 75
     h.restore(s["snapshot"])
+    linger.touch()
     assert h.wait_end(name) == 0
     assert_identical(h, name, script, args, [0])
 
@@ -93,16 +97,16 @@ def test_restore_older_snapshot_after_everything_was_killed(h: Harness, tmp_path
     script = workload("ddp_basic")
     own = tmp_path / "own-logs"
     own.mkdir()
-    # the job waits after its last step (--linger): under load a keep-running snapshot takes seconds, and the 80
-    # steps were once all done before the test looked for five more (the job had ended: nothing to kill)
+    # long enough that it still trains after the snapshot, however long that took under load (80 steps were once
+    # all done before the test looked for five more), and then waits after its last step (--linger)
     linger = tmp_path / "linger"
-    args = ["--steps", "80", "--step-sleep", "0.05", "--own-log", str(own), "--linger", str(linger)]
+    args = ["--steps", "400", "--step-sleep", "0.03", "--own-log", str(own), "--linger", str(linger)]
     h.run("crash", script, args)
     h.wait_step("crash", 8)
     s = h.snapshot("crash")
     size_at_snapshot = (own / "train-rank0.log").stat().st_size
     last = int(h.losses("crash")[-1].split()[0])
-    h.wait_step("crash", last + 5)  # the job runs on; its logs grow past the snapshot
+    h.wait_step("crash", min(last + 5, 399))  # the job runs on; its logs grow past the snapshot
     assert (own / "train-rank0.log").stat().st_size > size_at_snapshot
     h.kill_all("crash")
     assert h.state("crash") == "lost"

@@ -14,6 +14,10 @@ only with ``Connection: keep-alive``), answers requests sent together in order, 
 send. The application's ``handle`` answers on the loop (it must not block) or returns an awaitable; blocking
 work goes to ``Server.run_blocking`` (a thread pool). TLS: ``ssl.SSLObject`` over memory buffers (the handshake
 within 30 s), so that a refused client certificate still gets its alert.
+
+Why by hand (a library would otherwise do): the servers built on asyncio (aiohttp's among them) serve TLS
+through asyncio's SSL transport, which closes a connection whose client certificate it refused without the
+alert, and the security gate must answer from the request head before any body is read.
 """
 
 from __future__ import annotations
