@@ -131,7 +131,7 @@ def ppid(pid: int) -> int:
         return 0
 
 
-def _restoring_agents(sid: str, cli_pid: int) -> list[int]:
+def restoring_agents(sid: str, cli_pid: int) -> list[int]:
     """The daemon(s) forked by ``cryosleep restore --detach SID`` (the agent of the restored job), not the CLI."""
     out = []
     for d in os.listdir("/proc"):
@@ -177,7 +177,7 @@ def _kill(h: Harness, name: str, plan: Plan, stage: chaos_stage.Stage, proc: sub
         return stage.fault()
     _, st = h.job(name).read()
     if plan.victim == "agent":
-        pids = _restoring_agents(sid, proc.pid) if plan.phase == "restore" else [st.agent_pid]
+        pids = restoring_agents(sid, proc.pid) if plan.phase == "restore" else [st.agent_pid]
     elif plan.victim == "criu":
         found = criu_restores(stage.store) if plan.phase == "restore" else criu_dumps(stage.store)
         pids = [p for p in found if ppid(p) not in found][:1]  # CRIU itself, not what it forked

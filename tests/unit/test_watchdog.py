@@ -108,3 +108,51 @@ def test_a_dead_agents_staging_is_removed_whatever_the_moment(tmp_path: Path, en
         sandbox.wait()
         if agent.poll() is None:
             agent.kill()
+
+
+RESTORING = """
+import subprocess, sys, time
+from pathlib import Path
+from cryosleep.agent.watchdog import Watchdog
+from cryosleep.capture import orphans
+marks = orphans.Marks.new(Path(sys.argv[2]))
+w = Watchdog(None, sys.argv[1])
+w.arm("a restore")
+w.restoring(marks)
+_, env = marks.action()
+criu = subprocess.Popen(["sleep", "600"], env=env)  # what CRIU forked: its environment marked
+init = subprocess.Popen(["sleep", "600"])  # the restored init, a child of this agent
+if sys.argv[3] in ("restored", "running"):
+    w.restored(init.pid)
+if sys.argv[3] == "running":
+    w.disarm()
+print("ready", w.proc.pid, criu.pid, init.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("moment", "ended"), [("criu", "criu"), ("restored", "both"), ("running", "none")])
+def test_a_restoring_agents_death_ends_what_its_restore_started_until_the_job_runs(
+        tmp_path: Path, moment: str, ended: str) -> None:
+    """While a restore is armed (CRIU running, or done and the job not yet running), a dead agent's watchdog
+    ends CRIU's marked processes and the restored init; once disarmed (the job runs), the job survives its agent."""
+    log = tmp_path / "agent.log"
+    agent = subprocess.Popen([sys.executable, "-c", RESTORING, str(log), str(tmp_path), moment],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 p for p in sys.path if p), "CRYOSLEEP_HOME": str(tmp_path / "home")})
+    assert agent.stdout is not None
+    _, watchdog, criu, init = (int(x) if x.isdigit() else x for x in agent.stdout.readline().split())
+    try:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+        assert wait_gone(watchdog, 15), "the watchdog outlived its agent"
+        assert gone(criu) == (ended != "none")
+        assert gone(init) == (ended == "both")
+        if ended != "none":
+            assert "nothing of the restore is left running" in log.read_text()
+    finally:
+        for p in (criu, init):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -394,7 +394,16 @@ class Agent:
         if self.lock_fd >= 0 and run.req.lock_fd < 0:  # the launcher holds it already (it chose, under it, to resume)
             run.req.lock_fd = run.lock_fd = self.lock_fd
         run.req.log = run.req.log or self.log_line
-        restored = run.run()
+        # armed from before CRIU starts until the restored job runs: if this agent dies in between, what CRIU
+        # forked and restored is ended rather than left unsupervised (agent/watchdog.py, capture/orphans.py)
+        self.watchdog = run.req.guard = Watchdog(None, str(self.job.agent_log))
+        self.watchdog.arm("a restore")
+        try:
+            restored = run.run()
+        except BaseException:
+            self.watchdog.close()  # the restore undid what it did: nothing for the watchdog to end
+            self.watchdog = run.req.guard = None
+            raise
         self.lock_fd = restored.lock_fd
         self.barrier_peers = restored.peers
         self.spec = restored.spec
@@ -404,6 +413,7 @@ class Agent:
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
                               restored_from=restored.manifest.id, net_end=restored.net_end)
         self.save_state()
+        self.watchdog.disarm()  # the restored job runs, recorded as this agent's
         self.record_in_store("running", restored.manifest.id)
         self.tail = LogTail(self.job, self.console_ranks(), self.out, from_end=True)
         self.restore_phases = restored.phases.rounded()
@@ -447,8 +457,9 @@ class Agent:
             signal.signal(sig, self._on_signal)
         if self.triggers is not None:
             self.triggers.start()
-        self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log), self.spec.net or None,
-                                 self.state.net_end)
+        if self.watchdog is None:  # (a restored job's was started by its restore, and knows its sandbox)
+            self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log), self.spec.net or None,
+                                     self.state.net_end)
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         if self.spec.interceptor and self.spec.fast_path and os.environ.get(PREPARE_ENV):
             threading.Thread(target=self._prepare_loop, name="prepare", daemon=True).start()

@@ -14,10 +14,17 @@ job's network its bridge and overlay on the host (``net JSON``): the watchdog re
 releases the job network once the sandbox has ended (killed here, or later, by itself, when it ran on unsupervised
 because the agent died outside the armed window), as the agent would have on its way out.
 
+A restoring agent starts its watchdog before CRIU does, armed, with no sandbox yet: it is told the restore's marks
+(``restore JSON``: capture/orphans.py) before CRIU starts, the job network's veth once made, and the restored init
+(``init PID``) once CRIU is done; it is disarmed once the restored job runs. If the agent dies in that window, the
+watchdog ends CRIU, what it forked and what it restored, so that nothing of a restore nobody supervises is left
+holding the job's addresses, and the job stays suspended in its snapshot.
+
 The agent writes one line per change to the watchdog's stdin (a pipe): ``arm REASON``, ``disarm``, ``dump
-JSON``, ``staging [PATH]``, ``net JSON``; on its own way out, after its job ended, ``end`` (nothing to undo);
-then it closes the pipe. A pipe that closes without ``end`` is the agent's death. The sandbox's init is named
-by PID once, at start, and held by a pidfd, so a recycled PID is never signalled.
+JSON``, ``staging [PATH]``, ``net JSON``, ``restore JSON``, ``init PID``; on its own way out, after its job ended,
+``end`` (nothing to undo); then it closes the pipe. A pipe that closes without ``end`` is the agent's death. The
+sandbox's init is named by PID once (at start, or by ``init``, while it is the agent's child) and held by a
+pidfd, so a recycled PID is never signalled.
 """
 
 from __future__ import annotations
@@ -34,24 +41,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cryosleep.capture import netlock
+from cryosleep.capture import netlock, orphans
 from cryosleep.net import sandbox as net_sandbox
 
 
 class Watchdog:
     """The agent's side: spawns the watchdog for one sandbox, arms and disarms it."""
 
-    def __init__(self, init_pid: int, log: str, net: dict[str, Any] | None = None,
+    def __init__(self, init_pid: int | None, log: str, net: dict[str, Any] | None = None,
                  net_end: str | None = None) -> None:
-        """``net``: the job network's JSON (JobSpec.net) and ``net_end`` the sandbox's veth host end, released
-        here if the agent dies."""
+        """``init_pid``: the sandbox's init (None: a restore's, not made yet: :meth:`restored` names it);
+        ``net``: the job network's JSON (JobSpec.net) and ``net_end`` the sandbox's veth host end, released here
+        if the agent dies."""
         self.lock = threading.Lock()
         self.armed = False
-        self.proc = subprocess.Popen([sys.executable, "-m", "cryosleep.agent.watchdog", str(init_pid), log],
+        self.proc = subprocess.Popen([sys.executable, "-m", "cryosleep.agent.watchdog",
+                                      "-" if init_pid is None else str(init_pid), log],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         if net:
-            self._say("net " + json.dumps({"net": net, "end": net_end}))
+            self.network(net, net_end)
 
     def _say(self, line: str) -> None:
         stdin = self.proc.stdin
@@ -85,6 +94,24 @@ class Watchdog:
         with self.lock:
             self._say("staging " + (path or ""))
 
+    # -- a restore (capture/restore.py's Guard) ----------------------------------------------------------
+
+    def restoring(self, marks: orphans.Marks) -> None:
+        """The restore's marks, before CRIU starts: what to end if the agent dies while armed."""
+        with self.lock:
+            self._say("restore " + json.dumps(marks.to_json()))
+
+    def restored(self, init_pid: int) -> None:
+        """The restored sandbox's init (the agent's child, so its PID is not recycled before the watchdog holds
+        it)."""
+        with self.lock:
+            self._say(f"init {init_pid}")
+
+    def network(self, net: dict[str, Any], end: str | None) -> None:
+        """The job network and the sandbox's veth host end: released once the sandbox ended, if the agent died."""
+        with self.lock:
+            self._say("net " + json.dumps({"net": net, "end": end}))
+
     def close(self) -> None:
         """The agent's own end, its job ended: nothing for the watchdog to undo."""
         with self.lock:
@@ -102,17 +129,17 @@ class Watchdog:
 
 
 def main(argv: list[str]) -> int:
-    init_pid, log = int(argv[0]), argv[1]
+    init_pid, log = (None if argv[0] == "-" else int(argv[0])), argv[1]
     # A scheduler ending the job signals every process of it (Slurm: SIGTERM to the whole step): the watchdog ends
     # with its agent (its pipe closes), never before, or a stop snapshot would lose its guard.
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
-    try:
-        pidfd = os.pidfd_open(init_pid)
-    except OSError:
+    pidfd = _hold(init_pid) if init_pid is not None else None
+    if init_pid is not None and pidfd is None:
         return 0  # the sandbox is gone already
     armed: str | None = None
     dump: dict[str, Any] | None = None
+    restore: orphans.Marks | None = None
     staging = ""
     net: dict[str, Any] | None = None
     for raw in sys.stdin.buffer:
@@ -122,21 +149,29 @@ def main(argv: list[str]) -> int:
         if line.startswith("arm"):
             armed = line[4:] or "a snapshot"
         elif line == "disarm":
-            armed = None
+            armed, restore = None, None  # a restore's window closes when the restored job runs
         elif line.startswith("dump "):
             dump = json.loads(line[5:])
         elif line.startswith("staging"):
             staging = line[8:]
         elif line.startswith("net "):
             net = json.loads(line[4:])
+        elif line.startswith("restore "):
+            restore = orphans.Marks.from_json(json.loads(line[8:]))
+        elif line.startswith("init "):
+            init_pid = int(line[5:])
+            pidfd = _hold(init_pid)
     undone: list[str] = []
     if armed is not None or dump is not None:
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            what = "killed"
-        except OSError as e:
-            what = f"could not be killed ({e})"
-        undone.append(f"the sandbox (init {init_pid}) {what}, so that no part of the job is left half-captured")
+        if pidfd is not None:
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                what = "killed"
+            except OSError as e:
+                what = f"could not be killed ({e})"
+            undone.append(f"the sandbox (init {init_pid}) {what}, so that no part of the job is left half-captured")
+        if restore is not None:
+            undone += orphans.end(restore) or ["no process of the restore was left"]
         if dump:
             undone += netlock.undo(netlock.DumpRecord.from_json(dump["rec"]), dump["nft"])
     if staging:
@@ -144,14 +179,24 @@ def main(argv: list[str]) -> int:
     if undone:
         killed = armed is not None or dump is not None
         during = armed or ("a dump" if dump else "a snapshot")
-        _say(log, f"the agent died during {during}: " + "; ".join(undone)
-             + ("; restore the job's last verified snapshot" if killed else ""))
+        after = ("; nothing of the restore is left running: restore the snapshot again" if restore is not None
+                 else "; restore the job's last verified snapshot")
+        _say(log, f"the agent died during {during}: " + "; ".join(undone) + (after if killed else ""))
     if net is not None:  # the sandbox's end (now, or when the job ends by itself, unsupervised), then the release
-        select.select([pidfd], [], [])
+        if pidfd is not None:
+            select.select([pidfd], [], [])
         net_sandbox.release(net["net"], own_end=net["end"])
         _say(log, "the agent had died: its job's sandbox ended, the job network released on this host (its bridge "
              "and overlay, if no other node of the job uses them here)")
     return 0
+
+
+def _hold(pid: int) -> int | None:
+    """A pidfd of the sandbox's init (None: it is gone)."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
 
 
 def _say(log: str, text: str) -> None:

@@ -13,7 +13,8 @@
     files     the job's files brought back to their state at the snapshot
     devmem    (fast path) the staging files of device memory back, each piece checked as it is copied
     network   (job network) the job's bridge and overlay here, a fresh host end for the sandbox's veth
-    criu      CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash). At post-restore
+    criu      CRIU recreates the sandbox (fresh PID namespace, so PIDs in use do not clash), every process it forks
+              marked for the caller's guard (capture/orphans.py: what a dead agent's watchdog ends). At post-restore
               (every task restored, none run) it waits for the pages' verdict: a file that does not match stops
               the restore there. Its pre-resume action resets the connections to peers outside the job
               (capture/outbound.py)
@@ -47,7 +48,7 @@ from typing import Any, Protocol
 
 from cryosleep import paths
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, files, imagecheck, netlock, outbound
+from cryosleep.capture import criu_install, cuda, files, imagecheck, netlock, orphans, outbound
 from cryosleep.core import privileges, proctree
 from cryosleep.core.interceptor import Cmd, ControlBlock, State
 from cryosleep.core.job import ENDING_WAIT_S, JobDir, JobSpec
@@ -73,6 +74,15 @@ class Meeting(Protocol):
     def failed(self, problems: list[str]) -> None: ...
     def generation(self) -> int: ...
     def exchange(self, gen: int, uids: dict[int, bytes], need: list[int], deadline: float) -> dict[int, bytes]: ...
+
+
+class Guard(Protocol):
+    """Whoever ends what this restore leaves on the host if the process running it dies before the restored job
+    runs (the agent's watchdog, agent/watchdog.py; capture/orphans.py says why it is needed)."""
+
+    def restoring(self, marks: orphans.Marks) -> None: ...
+    def restored(self, init_pid: int) -> None: ...
+    def network(self, net: dict[str, Any], end: str | None) -> None: ...
 
 
 @dataclass
@@ -107,6 +117,8 @@ class Request:
     """Told a remote fetch's progress."""
     log: Callable[[str], None] | None = None
     """A line for the agent's log (default: the agent's own, when it runs the restore)."""
+    guard: Guard | None = None
+    """Told what to end if the caller dies mid-restore (the agent's watchdog, when an agent runs the restore)."""
 
 
 @dataclass
@@ -295,10 +307,17 @@ class RestoreRun:
         veths = self.veths = net_sandbox.prepare_restore(self.spec.net, self.req.net_peers or self.peers)
         self.undo.push("remove the veth and the job network here", lambda _e: net_sandbox.undo_restore(
             self.spec.net, veths))
+        if self.req.guard is not None:
+            self.req.guard.network(self.spec.net, veths[0][1] if veths else None)
 
     def _criu(self) -> None:
         assert self.criu is not None and self.pages is not None and self.manifest is not None
-        actions = [self.pages.gate(self.work_dir)] if self.pages.entries else []
+        marks = orphans.Marks.new(self.work_dir)
+        if self.req.guard is not None:  # before CRIU starts: whatever it forks is marked from its first moment
+            self.req.guard.restoring(marks)
+        actions = [marks.action()]
+        if self.pages.entries:
+            actions.append(self.pages.gate(self.work_dir))
         if self.resets is not None:
             actions.append(self.resets.hook())
         try:
@@ -313,6 +332,8 @@ class RestoreRun:
             raise RestoreFailed("CRIU could not be started", str(e), "run `cryosleep check`") from e
         self.init_pid = pid
         self.undo.push("end the restored job", lambda _e: _kill_tree(pid))
+        if self.req.guard is not None:
+            self.req.guard.restored(pid)
         bad = self.pages.problems()  # settled at the gate; asked again so that no path runs an unchecked image
         if bad:
             raise corrupt(self.manifest.id, bad)
