@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs.harness import Harness, assert_identical, reference, workload
+from tests.jobs.coordinated import wait_for
+from tests.jobs.harness import Harness, assert_identical, in_post_dump, reference, workload
 
 pytestmark = pytest.mark.slow
 
@@ -209,7 +210,9 @@ def test_a_worker_that_exits_during_the_snapshot_is_named(h: Harness) -> None:
 
     snap = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "snapshot", "--json", "ending",
                              "--timeout", "6"], env=env, stdout=subprocess.PIPE, text=True)
-    time.sleep(2.0)  # the dump hook now hangs with the tree frozen
+    # the dump's hook hangs with the tree frozen (a fixed wait was once too short at load 8: CRIU was still
+    # dumping, and the kill made it fail first)
+    wait_for(lambda: in_post_dump(os.environ["CRYOSLEEP_STORE"]), 120, "the dump's post-dump hook")
     victim = h.pids("ending")[-1]
     os.kill(victim, signal.SIGKILL)
     out, _ = snap.communicate(timeout=60)
@@ -270,7 +273,8 @@ def test_a_file_the_job_reads_under_tmp_travels_in_the_snapshot(h: Harness, tmp_
     data = tmp_path / "scratch.bin"
     data.write_bytes(bytes(range(256)) * 1024)
     script = workload("reads_dataset")
-    args = ["--data", str(data), "--steps", "30", "--step-sleep", "0.05"]
+    # (with 30 steps the job once ended, at load 8, before the stop snapshot reached it)
+    args = ["--data", str(data), "--steps", "200", "--step-sleep", "0.05"]
     ref = reference(script, args, 1)[0]
     h.run("scratch", script, args, nproc=1)
     h.wait_step("scratch", 5)

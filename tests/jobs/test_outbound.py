@@ -19,7 +19,7 @@ from tests.jobs.harness import Harness, workload
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+STEPS = 100  # (with 40, a keep-running snapshot at load 8 once cut the job after its last post: nothing to reconnect)
 
 
 @dataclass
