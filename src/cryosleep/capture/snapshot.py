@@ -60,7 +60,7 @@ from typing import Any
 from cryosleep import __version__, paths
 from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_install, cuda, eligibility, files, netlock, outbound
-from cryosleep.core import proctree
+from cryosleep.core import proctree, procwatch
 from cryosleep.core.interceptor import ControlBlock, attach_published
 from cryosleep.core.job import JobSpec
 from cryosleep.cut.driver import Driver
@@ -68,6 +68,16 @@ from cryosleep.errors import CaptureFailed, CryosleepError, InterceptorError, No
 from cryosleep.store.local import LocalStore, Staging, hash_tree
 from cryosleep.store.manifest import Manifest, NcclComm, NcclCut, NcclRank, NodeImage
 from cryosleep.timing import Phases, Progress
+
+# A process of the job killed (or failing) this long before a snapshot, or while it waits, makes it wait until this
+# long has passed since with the job alive: a job whose process was just killed is often about to fail, and its
+# parent has not noticed yet (chaos seed 1002: a DataLoader worker killed, reaped at once by its rank, which raises
+# only when its SIGCHLD handler or its queue's poll runs: PyTorch polls a dead worker every 5 s at the latest,
+# MP_STATUS_CHECK_INTERVAL). An image taken meanwhile restores a job that fails at once.
+SETTLE_S = 6.0
+# ... and a snapshot waits at most this long for a quiet window: a job whose processes keep being killed is
+# refused rather than captured in the middle of it
+SETTLE_MAX_S = 30.0
 
 # The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
 PAUSE = ["drain", "quiesce", "offload", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock",
@@ -98,6 +108,9 @@ class Target:
     # Records (its path) or forgets (None) the staging directory of the snapshot under way, likewise: a dead
     # agent's survivor removes it, whatever the moment
     on_staging: Callable[[str | None], None] | None = None
+    # The agent's watch on the job's processes between snapshots (core/procwatch.py ``JobExits.since``): the
+    # exits at or after a monotonic time. None: no watch, the snapshot sees only what ends from its preflight on
+    exits: Callable[[float], list[procwatch.Exit]] | None = None
 
 
 def host_facts(criu: criu_install.Criu, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -207,6 +220,7 @@ class NodeCapture:
                 if refused:
                     raise _refuse(target, refused)
                 return
+            settled = self.settle()
             problems = [c for c in eligibility.process_checks(target.init_pid) if not c.ok and c.fatal]
             self.nccl = nccl_driver(target)
             if self.nccl is not None:
@@ -216,6 +230,11 @@ class NodeCapture:
             self.tree = proctree.tree(target.init_pid)
             self.watch = proctree.Watch(self.tree)
             self.own = {target.init_pid, *proctree.children(target.init_pid)}
+            if target.exits is not None and (late := [e for e in target.exits(settled) if e.failed]):
+                raise JobEnding(f"processes of job {target.spec.name!r} ended as the snapshot began",
+                                _exits_words(late, time.monotonic()),
+                                "snapshot again in a few seconds; the job was not touched and its last snapshot is "
+                                "still valid")
             self.rss = sum(proctree.rss_bytes(p) for p in self.tree)
             if cuda.gpu_processes(target.init_pid):
                 self.gpus = cuda.GpuSet(cuda.cuda_processes(target.init_pid))
@@ -227,6 +246,49 @@ class NodeCapture:
             self.mounts = criu_calls.external_mounts(target.init_pid) if own_mnt else []
             self.staging = self.store.begin(target.spec.name)
             self.record_staging(str(self.staging.path))
+
+    def settle(self) -> float:
+        """The rule of ``SETTLE_S``: the snapshot waits until no process of the job has been killed or failed for
+        that long, the sandbox's init and workers alive; it refuses when the job ends meanwhile (its init, or a
+        worker failing), when its deadline comes first, or after ``SETTLE_MAX_S``. Returns when it looked last."""
+        target, exits = self.target, self.target.exits
+        start = now = time.monotonic()
+        if exits is None:
+            return now
+        waited = False
+        while True:
+            recent = [e for e in exits(now - SETTLE_S) if e.failed]
+            verdict, until = settle_verdict(now, recent, proctree.alive(target.init_pid))
+            if verdict == "go":
+                if waited:
+                    self.phases.end("settle")
+                return now
+            words = _exits_words(recent, now)
+            if verdict == "ended":
+                raise JobEnding(f"job {target.spec.name!r} is failing: it ended just before the snapshot",
+                                f"{words}; a snapshot waits {SETTLE_S:g} s after a process of the job is killed "
+                                "or fails, to see the job survive it, and the job did not",
+                                "a failing job cannot be captured; its last snapshot is still valid: restore it")
+            why = (f"{words}; a job whose process was just killed is often about to fail (its parent has not "
+                   f"noticed yet), so a snapshot waits until {SETTLE_S:g} s have passed since such an exit with the "
+                   "job's init and workers alive")
+            if until > self.deadline:
+                raise NotEligible(f"job {target.spec.name!r} cannot be captured now: a process of it was just "
+                                  "killed or failed", f"{why}, and this snapshot's deadline comes first",
+                                  f"snapshot again in {until - now:.0f} s or with a longer --timeout; the job was "
+                                  "not touched and its last snapshot is still valid")
+            if now - start > SETTLE_MAX_S:
+                raise NotEligible(f"job {target.spec.name!r} cannot be captured now: its processes keep being "
+                                  "killed or failing", f"{why}, and none of the last {SETTLE_MAX_S:g} s was quiet",
+                                  "snapshot again once they stop; the job was not touched and its last snapshot is "
+                                  "still valid")
+            if not waited:
+                waited = True
+                self.phases.begin("settle")
+                if target.log is not None:
+                    target.log(f"snapshot waits {until - now:.1f} s to see the job survive: {words}")
+            time.sleep(max(0.0, min(0.1, until - now)))
+            now = time.monotonic()
 
     def before_pause(self) -> None:
         """Job still running: outside peers' send queues drained (bounded); the fast path's staging grown."""
@@ -511,6 +573,25 @@ def failed_processes(watch: proctree.Watch, own: set[int], init_pid: int) -> str
     bad = {p: st for p, st in watch.ended().items() if p in own or st != 0}
     return ", ".join(f"process {p} {'(a worker) ' if p in own and p != init_pid else ''}"
                      f"{proctree.describe_status(st)}" for p, st in sorted(bad.items()))
+
+
+def settle_verdict(now: float, recent: list[procwatch.Exit], init_alive: bool) -> tuple[str, float]:
+    """The rule of ``SETTLE_S`` as a decision, from the job's failed exits of the last ``SETTLE_S`` seconds (killed
+    by a signal, exited non-zero, or unknown): ("ended", now) when the job is ending (its init gone, or its init
+    or a worker among them), ("wait", until) while the newest is younger than ``SETTLE_S``, else ("go", now)."""
+    if not init_alive or any(e.own for e in recent):
+        return "ended", now
+    newest = max((e.at for e in recent), default=None)
+    if newest is not None and now < newest + SETTLE_S:
+        return "wait", newest + SETTLE_S
+    return "go", now
+
+
+def _exits_words(exits: list[procwatch.Exit], now: float) -> str:
+    """The exits as words, the newest few ("process 19 killed by signal 9 0.4 s ago, ...")."""
+    shown = [e.describe(now) for e in exits[-4:]]
+    more = len(exits) - len(shown)
+    return ", ".join(shown) + (f" (and {more} more)" if more > 0 else "") if exits else "the sandbox's init ended"
 
 
 class JobEnding(CaptureFailed):
