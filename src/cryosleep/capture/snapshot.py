@@ -69,15 +69,16 @@ from cryosleep.store.local import LocalStore, Staging, hash_tree
 from cryosleep.store.manifest import Manifest, NcclComm, NcclCut, NcclRank, NodeImage
 from cryosleep.timing import Phases, Progress
 
-# A process of the job killed (or failing) this long before a snapshot, or while it waits, makes it wait until this
-# long has passed since with the job alive: a job whose process was just killed is often about to fail, and its
-# parent has not noticed yet (chaos seed 1002: a DataLoader worker killed, reaped at once by its rank, which raises
-# only when its SIGCHLD handler or its queue's poll runs: PyTorch polls a dead worker every 5 s at the latest,
-# MP_STATUS_CHECK_INTERVAL). An image taken meanwhile restores a job that fails at once.
-SETTLE_S = 6.0
+# A process of the job killed (or failing) this long before a snapshot makes it wait until this long has passed
+# since, the job alive; and a keep-running snapshot taken after such a wait is listed valid only once the job has
+# run on this long after its dump. A job whose process was just killed is often about to fail, and its parent has
+# not said so yet (chaos seed 1002: a DataLoader worker killed, reaped at once by its rank). Measured here: the rank
+# raises at its next SIGCHLD (the kill's, or only the one the dump's own stop of its workers sends), then joins its
+# other workers (up to 5 s each, PyTorch's MP_STATUS_CHECK_INTERVAL) and exits 5.5-8 s after the kill.
+SETTLE_S = 10.0
 # ... and a snapshot waits at most this long for a quiet window: a job whose processes keep being killed is
 # refused rather than captured in the middle of it
-SETTLE_MAX_S = 30.0
+SETTLE_MAX_S = 3 * SETTLE_S
 
 # The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
 PAUSE = ["drain", "quiesce", "offload", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock",
@@ -191,6 +192,8 @@ class NodeCapture:
         self.tree: list[int] = []
         self.watch: proctree.Watch | None = None  # the tree's processes at the preflight: which end, and how
         self.own: set[int] = set()  # the sandbox's init and the workers it started (its children)
+        self.suspect = False  # a process of the job failed just before: the job must outlive the dump (probation)
+        self.dumped_at = 0.0
         self.rss = 0
         self.mounts: list[str] = []
         self.outbound_facts: dict[str, Any] = {}
@@ -282,6 +285,7 @@ class NodeCapture:
                                   "killed or failing", f"{why}, and none of the last {SETTLE_MAX_S:g} s was quiet",
                                   "snapshot again once they stop; the job was not touched and its last snapshot is "
                                   "still valid")
+            self.suspect = True
             if not waited:
                 waited = True
                 self.phases.begin("settle")
@@ -289,6 +293,26 @@ class NodeCapture:
                     target.log(f"snapshot waits {until - now:.1f} s to see the job survive: {words}")
             time.sleep(max(0.0, min(0.1, until - now)))
             now = time.monotonic()
+
+    def probation(self) -> None:
+        """(keep-running, after ``settle`` waited) The job runs on; the image is committed only once it has run
+        ``SETTLE_S`` past the dump with its init and workers alive: a rank that had not noticed its dead worker
+        before notices at the dump (the stop of its workers sends it a SIGCHLD) and fails within that time, and an
+        image of it would restore a job that fails at once."""
+        with self.phases.phase("probation"):
+            until = min(self.dumped_at + SETTLE_S, self.deadline)
+            while True:
+                ended = {p: st for p, st in (self.watch.ended() if self.watch else {}).items() if p in self.own}
+                if ended or not proctree.alive(self.target.init_pid):
+                    words = ", ".join(f"process {p} {proctree.describe_status(st)}" for p, st in sorted(ended.items()))
+                    raise JobEnding(f"job {self.target.spec.name!r} failed right after the snapshot",
+                                    f"{words or 'its sandbox init ended'} within {SETTLE_S:g} s of the dump; a "
+                                    "process of the job had been killed or failed just before the snapshot, so its "
+                                    "image was kept only if the job outlived the dump by that long",
+                                    "a failing job cannot be captured; its last snapshot is still valid: restore it")
+                if time.monotonic() >= until:
+                    return
+                time.sleep(0.1)
 
     def before_pause(self) -> None:
         """Job still running: outside peers' send queues drained (bounded); the fast path's staging grown."""
@@ -356,6 +380,7 @@ class NodeCapture:
             # a stop dump holds the job under its lock until end() or the rollback removes it
             self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
             self.dumped = True
+            self.dumped_at = time.monotonic()
         if self.gpus.pids and not self.stop:
             with self.phases.phase("cuda-restore"):
                 self.gpus.restore()
@@ -377,6 +402,8 @@ class NodeCapture:
         """The fast path's device memory copied into the image, every file hashed, the snapshot published."""
         staging, target = self.staging, self.target
         assert staging is not None
+        if self.suspect and not self.stop:
+            self.probation()
         node_dir = staging.node_dir(self.node_rank)
         devmem_sums: dict[str, str] = {}
         nccl = self.nccl
