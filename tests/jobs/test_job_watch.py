@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cryosleep.core import proctree
 from tests.jobs.chaos import LOADER_SCRIPT
-from tests.jobs.harness import Harness, assert_identical
+from tests.jobs.harness import Harness, assert_identical, workload
 
 
 def _loader_workers(h: Harness, name: str) -> dict[int, list[int]]:
@@ -30,7 +30,7 @@ def test_a_dataloader_worker_killed_just_before_a_snapshot_never_leaves_one_list
     h.wait_step("seed1002", 5)
     fallback = h.snapshot("seed1002")["snapshot"]
     h.wait_step("seed1002", 10)
-    rank, loader = next((r, w) for r, w in sorted(_loader_workers(h, "seed1002").items()) if w)
+    loader = next(w for _r, w in sorted(_loader_workers(h, "seed1002").items()) if w)
     os.kill(loader[0], signal.SIGKILL)  # its rank reaps it at once (its SIGCHLD handler), and raises later
     res = h.cli("snapshot", "seed1002", "--json", check=False)
     answer = res.stdout + res.stderr
@@ -46,3 +46,27 @@ def test_a_dataloader_worker_killed_just_before_a_snapshot_never_leaves_one_list
     linger.touch()
     assert h.wait_end("seed1002", timeout=300) == 0
     assert_identical(h, "seed1002", LOADER_SCRIPT, args, [0])
+
+
+def test_a_job_that_kills_its_own_helper_on_purpose_is_still_snapshotted(h: Harness, tmp_path: Path) -> None:
+    """A subprocess timeout (the helper SIGKILLed by its rank, which goes on): the snapshot right after waits until
+    the job has outlived the kill, takes its image, keeps it once the job has outlived the dump too, and the image
+    restores a job that finishes bit-identically."""
+    script = workload("ddp_basic")
+    linger = tmp_path / "linger"
+    args = ["--steps", "150", "--step-sleep", "0.05", "--helper-timeout-at", "10", "--linger", str(linger)]
+    h.run("helper", script, args)
+    deadline = time.monotonic() + 120
+    while "helper timed out" not in h.job("helper").rank_log(0).read_text():
+        assert time.monotonic() < deadline and h.state("helper") == "running"
+        time.sleep(0.05)
+    s = h.snapshot("helper")
+    assert s["phases"]["settle"] > 0 and s["phases"]["probation"] > 0, s["phases"]
+    log = h.job("helper").agent_log.read_text()
+    assert "snapshot waits" in log and "killed by signal 9" in log, log[-2000:]
+    h.kill_all("helper")
+    h.wait_end("helper", timeout=60)
+    h.restore(s["snapshot"])
+    linger.touch()
+    assert h.wait_end("helper") == 0
+    assert_identical(h, "helper", script, args, [0, 1])

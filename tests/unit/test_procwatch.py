@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cryosleep.capture import snapshot
-from cryosleep.core import procwatch
+from cryosleep.core import proctree, procwatch
 from cryosleep.core.job import JobSpec
 from cryosleep.errors import CaptureFailed, NotEligible
 from cryosleep.store.local import LocalStore
@@ -201,3 +202,26 @@ def test_a_helper_killed_long_ago_or_exiting_0_does_not_delay_a_snapshot(tmp_pat
     finally:
         init.kill()
         init.wait()
+
+
+def test_probation_keeps_an_image_only_if_the_job_outlives_the_dump(tmp_path: Path, short_window: float) -> None:
+    init = subprocess.Popen(["sleep", "30"])
+    worker = subprocess.Popen(["sleep", "30"])
+    try:
+        cap = _capture(tmp_path, init.pid, _Exits())
+        cap.watch, cap.own = proctree.Watch([init.pid, worker.pid]), {init.pid, worker.pid}
+        cap.dumped_at = time.monotonic()
+        cap.probation()  # the job ran on for the window: kept
+        assert time.monotonic() >= cap.dumped_at + short_window
+        cap.dumped_at = time.monotonic()
+        threading.Timer(0.2, worker.kill).start()  # the rank that noticed its dead worker at the dump
+        with pytest.raises(snapshot.JobEnding) as e:
+            cap.probation()
+        assert "failed right after the snapshot" in e.value.what
+        assert f"process {worker.pid} killed by signal 9" in e.value.why and "still valid" in e.value.hint
+        assert time.monotonic() < cap.dumped_at + short_window + 0.3
+        cap.watch.close()
+    finally:
+        for p in (init, worker):
+            p.kill()
+            p.wait()
