@@ -2,6 +2,8 @@
 in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as for a node of many
 (``agent/coordinated.py`` is the node's side of both). Phases, as each node times them::
 
+    settle     (a process of the job killed or failing in the last SETTLE_S, as the agent's watch between
+               snapshots saw it: core/procwatch.py) wait until the job has outlived it, or refuse
     preflight  what the processes hold that cannot be captured, and what their NCCL interceptors refuse
                -> refuse with reasons (nothing touched)
     outbound   (job running, when it has connections to peers outside the job) a bounded wait for their send
@@ -23,6 +25,8 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
     reload     (fast path, keep-running) the offloaded device memory back at its addresses
     rebuild    (NCCL, keep-running) from REBUILD to RUN, the ids' relay included: every communicator
                re-created from fresh ids, then the gates open: the pause ends here
+    probation  (keep-running, after a settle that waited) the job runs on SETTLE_S past the dump, its init and
+               workers alive, or the image is dropped
     devmem     (fast path) the staging files copied into the image (keep-running: after the job resumed)
     checksum   size and SHA-256 of every image file, and of the files the job only reads (libraries,
                datasets: checked at restore) unless cached (the job is already running again)
