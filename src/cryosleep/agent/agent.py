@@ -32,7 +32,7 @@ from cryosleep.capture import snapshot as capture_snapshot
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Token, underlay_towards
 from cryosleep.coordinator.embedded import EmbeddedRun
 from cryosleep.coordinator.protocol import Mode
-from cryosleep.core import oom, privileges, proctree, users
+from cryosleep.core import oom, privileges, proctree, procwatch, users
 from cryosleep.core.interceptor import Cmd, State
 from cryosleep.core.job import ENDING_WAIT_S, EXIT_SUSPENDED, JobDir, JobSpec, JobState
 from cryosleep.errors import CaptureFailed, CryosleepError, UsageError
@@ -243,6 +243,7 @@ class Agent:
         self.coordinator: tuple[str, str] | None = None
         self.runner: AgentRunner | None = None
         self.watchdog: Watchdog | None = None
+        self.exits: procwatch.JobExits | None = None  # the job's processes watched between snapshots (serve)
         self.ended_by: str | None = None  # why the coordinator ended the job, if it did
         self.net_watch: coordinated.NetPeers | None = None  # overlay peers learned from the coordinator
         self.underlay = ""  # this host's address for them (where its route to the coordinator leaves from)
@@ -460,6 +461,8 @@ class Agent:
         if self.watchdog is None:  # (a restored job's was started by its restore, and knows its sandbox)
             self.watchdog = Watchdog(self.state.init_pid, str(self.job.agent_log), self.spec.net or None,
                                      self.state.net_end)
+        # what ends in the job between snapshots: a process killed just before one makes it wait (capture/snapshot.py)
+        self.exits = procwatch.JobExits(self.state.init_pid, self.log_line).start()
         threading.Thread(target=self._control_loop, name="control", daemon=True).start()
         if self.spec.interceptor and self.spec.fast_path and os.environ.get(PREPARE_ENV):
             threading.Thread(target=self._prepare_loop, name="prepare", daemon=True).start()
@@ -486,6 +489,7 @@ class Agent:
                 time.sleep(0.05)
         finally:
             self._stopping = True
+            self.exits.close()
             if self.state.ending_since is None:
                 self.state.ending_since = time.time()
                 self.save_state()
@@ -684,7 +688,8 @@ class Agent:
         target = capture_snapshot.Target(spec=self.spec, init_pid=self.state.init_pid, runtime=self.runtime,
                                          restored_from=self.state.restored_from, end=end, ctl=ctl,
                                          log=self.log_line if self.out is None else None, arm=self.arm,
-                                         on_dump=self.on_dump, on_staging=self.on_staging)
+                                         on_dump=self.on_dump, on_staging=self.on_staging,
+                                         exits=self.exits.since if self.exits is not None else None)
         if self.persister is None and persist:
             self.persister = store_persist.for_job(self.spec.name, self.spec.persist,
                                                    self.log_line if self.out is None else None)

@@ -2,6 +2,8 @@
 in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as for a node of many
 (``agent/coordinated.py`` is the node's side of both). Phases, as each node times them::
 
+    settle     (a process of the job killed or failing in the last SETTLE_S, as the agent's watch between
+               snapshots saw it: core/procwatch.py) wait until the job has outlived it, or refuse
     preflight  what the processes hold that cannot be captured, and what their NCCL interceptors refuse
                -> refuse with reasons (nothing touched)
     outbound   (job running, when it has connections to peers outside the job) a bounded wait for their send
@@ -23,6 +25,8 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
     reload     (fast path, keep-running) the offloaded device memory back at its addresses
     rebuild    (NCCL, keep-running) from REBUILD to RUN, the ids' relay included: every communicator
                re-created from fresh ids, then the gates open: the pause ends here
+    probation  (keep-running, after a settle that waited) the job runs on SETTLE_S past the dump, its init and
+               workers alive, or the image is dropped
     devmem     (fast path) the staging files copied into the image (keep-running: after the job resumed)
     checksum   size and SHA-256 of every image file, and of the files the job only reads (libraries,
                datasets: checked at restore) unless cached (the job is already running again)
@@ -60,7 +64,7 @@ from typing import Any
 from cryosleep import __version__, paths
 from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_install, cuda, eligibility, files, netlock, outbound
-from cryosleep.core import proctree
+from cryosleep.core import proctree, procwatch
 from cryosleep.core.interceptor import ControlBlock, attach_published
 from cryosleep.core.job import JobSpec
 from cryosleep.cut.driver import Driver
@@ -68,6 +72,17 @@ from cryosleep.errors import CaptureFailed, CryosleepError, InterceptorError, No
 from cryosleep.store.local import LocalStore, Staging, hash_tree
 from cryosleep.store.manifest import Manifest, NcclComm, NcclCut, NcclRank, NodeImage
 from cryosleep.timing import Phases, Progress
+
+# A process of the job killed (or failing) this long before a snapshot makes it wait until this long has passed
+# since, the job alive; and a keep-running snapshot taken after such a wait is listed valid only once the job has
+# run on this long after its dump. A job whose process was just killed is often about to fail, and its parent has
+# not said so yet (chaos seed 1002: a DataLoader worker killed, reaped at once by its rank). Measured here: the rank
+# raises at its next SIGCHLD (the kill's, or only the one the dump's own stop of its workers sends), then joins its
+# other workers (up to 5 s each, PyTorch's MP_STATUS_CHECK_INTERVAL) and exits 5.5-8 s after the kill.
+SETTLE_S = 10.0
+# ... and a snapshot waits at most this long for a quiet window: a job whose processes keep being killed is
+# refused rather than captured in the middle of it
+SETTLE_MAX_S = 3 * SETTLE_S
 
 # The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
 PAUSE = ["drain", "quiesce", "offload", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock",
@@ -98,6 +113,9 @@ class Target:
     # Records (its path) or forgets (None) the staging directory of the snapshot under way, likewise: a dead
     # agent's survivor removes it, whatever the moment
     on_staging: Callable[[str | None], None] | None = None
+    # The agent's watch on the job's processes between snapshots (core/procwatch.py ``JobExits.since``): the
+    # exits at or after a monotonic time. None: no watch, the snapshot sees only what ends from its preflight on
+    exits: Callable[[float], list[procwatch.Exit]] | None = None
 
 
 def host_facts(criu: criu_install.Criu, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +196,8 @@ class NodeCapture:
         self.tree: list[int] = []
         self.watch: proctree.Watch | None = None  # the tree's processes at the preflight: which end, and how
         self.own: set[int] = set()  # the sandbox's init and the workers it started (its children)
+        self.suspect = False  # a process of the job failed just before: the job must outlive the dump (probation)
+        self.dumped_at = 0.0
         self.rss = 0
         self.mounts: list[str] = []
         self.outbound_facts: dict[str, Any] = {}
@@ -207,6 +227,7 @@ class NodeCapture:
                 if refused:
                     raise _refuse(target, refused)
                 return
+            settled = self.settle()
             problems = [c for c in eligibility.process_checks(target.init_pid) if not c.ok and c.fatal]
             self.nccl = nccl_driver(target)
             if self.nccl is not None:
@@ -216,6 +237,11 @@ class NodeCapture:
             self.tree = proctree.tree(target.init_pid)
             self.watch = proctree.Watch(self.tree)
             self.own = {target.init_pid, *proctree.children(target.init_pid)}
+            if target.exits is not None and (late := [e for e in target.exits(settled) if e.failed]):
+                raise JobEnding(f"processes of job {target.spec.name!r} ended as the snapshot began",
+                                _exits_words(late, time.monotonic()),
+                                "snapshot again in a few seconds; the job was not touched and its last snapshot is "
+                                "still valid")
             self.rss = sum(proctree.rss_bytes(p) for p in self.tree)
             if cuda.gpu_processes(target.init_pid):
                 self.gpus = cuda.GpuSet(cuda.cuda_processes(target.init_pid))
@@ -227,6 +253,70 @@ class NodeCapture:
             self.mounts = criu_calls.external_mounts(target.init_pid) if own_mnt else []
             self.staging = self.store.begin(target.spec.name)
             self.record_staging(str(self.staging.path))
+
+    def settle(self) -> float:
+        """The rule of ``SETTLE_S``: the snapshot waits until no process of the job has been killed or failed for
+        that long, the sandbox's init and workers alive; it refuses when the job ends meanwhile (its init, or a
+        worker failing), when its deadline comes first, or after ``SETTLE_MAX_S``. Returns when it looked last."""
+        target, exits = self.target, self.target.exits
+        start = now = time.monotonic()
+        if exits is None:
+            return now
+        waited = False
+        while True:
+            recent = [e for e in exits(now - SETTLE_S) if e.failed]
+            verdict, until = settle_verdict(now, recent, proctree.alive(target.init_pid))
+            if verdict == "go":
+                if waited:
+                    self.phases.end("settle")
+                return now
+            words = _exits_words(recent, now)
+            if verdict == "ended":
+                raise JobEnding(f"job {target.spec.name!r} is failing: it ended just before the snapshot",
+                                f"{words}; a snapshot waits {SETTLE_S:g} s after a process of the job is killed "
+                                "or fails, to see the job survive it, and the job did not",
+                                "a failing job cannot be captured; its last snapshot is still valid: restore it")
+            why = (f"{words}; a job whose process was just killed is often about to fail (its parent has not "
+                   f"noticed yet), so a snapshot waits until {SETTLE_S:g} s have passed since such an exit with the "
+                   "job's init and workers alive")
+            if until > self.deadline:
+                raise NotEligible(f"job {target.spec.name!r} cannot be captured now: a process of it was just "
+                                  "killed or failed", f"{why}, and this snapshot's deadline comes first",
+                                  f"snapshot again in {until - now:.0f} s or with a longer --timeout; the job was "
+                                  "not touched and its last snapshot is still valid")
+            if now - start > SETTLE_MAX_S:
+                raise NotEligible(f"job {target.spec.name!r} cannot be captured now: its processes keep being "
+                                  "killed or failing", f"{why}, and none of the last {SETTLE_MAX_S:g} s was quiet",
+                                  "snapshot again once they stop; the job was not touched and its last snapshot is "
+                                  "still valid")
+            self.suspect = True
+            if not waited:
+                waited = True
+                self.phases.begin("settle")
+                if target.log is not None:
+                    target.log(f"snapshot waits {until - now:.1f} s to see the job survive: {words}")
+            time.sleep(max(0.0, min(0.1, until - now)))
+            now = time.monotonic()
+
+    def probation(self) -> None:
+        """(keep-running, after ``settle`` waited) The job runs on; the image is committed only once it has run
+        ``SETTLE_S`` past the dump with its init and workers alive: a rank that had not noticed its dead worker
+        before notices at the dump (the stop of its workers sends it a SIGCHLD) and fails within that time, and an
+        image of it would restore a job that fails at once."""
+        with self.phases.phase("probation"):
+            until = min(self.dumped_at + SETTLE_S, self.deadline)
+            while True:
+                ended = {p: st for p, st in (self.watch.ended() if self.watch else {}).items() if p in self.own}
+                if ended or not proctree.alive(self.target.init_pid):
+                    words = ", ".join(f"process {p} {proctree.describe_status(st)}" for p, st in sorted(ended.items()))
+                    raise JobEnding(f"job {self.target.spec.name!r} failed right after the snapshot",
+                                    f"{words or 'its sandbox init ended'} within {SETTLE_S:g} s of the dump; a "
+                                    "process of the job had been killed or failed just before the snapshot, so its "
+                                    "image was kept only if the job outlived the dump by that long",
+                                    "a failing job cannot be captured; its last snapshot is still valid: restore it")
+                if time.monotonic() >= until:
+                    return
+                time.sleep(0.1)
 
     def before_pause(self) -> None:
         """Job still running: outside peers' send queues drained (bounded); the fast path's staging grown."""
@@ -294,6 +384,7 @@ class NodeCapture:
             # a stop dump holds the job under its lock until end() or the rollback removes it
             self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
             self.dumped = True
+            self.dumped_at = time.monotonic()
         if self.gpus.pids and not self.stop:
             with self.phases.phase("cuda-restore"):
                 self.gpus.restore()
@@ -315,6 +406,8 @@ class NodeCapture:
         """The fast path's device memory copied into the image, every file hashed, the snapshot published."""
         staging, target = self.staging, self.target
         assert staging is not None
+        if self.suspect and not self.stop:
+            self.probation()
         node_dir = staging.node_dir(self.node_rank)
         devmem_sums: dict[str, str] = {}
         nccl = self.nccl
@@ -511,6 +604,25 @@ def failed_processes(watch: proctree.Watch, own: set[int], init_pid: int) -> str
     bad = {p: st for p, st in watch.ended().items() if p in own or st != 0}
     return ", ".join(f"process {p} {'(a worker) ' if p in own and p != init_pid else ''}"
                      f"{proctree.describe_status(st)}" for p, st in sorted(bad.items()))
+
+
+def settle_verdict(now: float, recent: list[procwatch.Exit], init_alive: bool) -> tuple[str, float]:
+    """The rule of ``SETTLE_S`` as a decision, from the job's failed exits of the last ``SETTLE_S`` seconds (killed
+    by a signal, exited non-zero, or unknown): ("ended", now) when the job is ending (its init gone, or its init
+    or a worker among them), ("wait", until) while the newest is younger than ``SETTLE_S``, else ("go", now)."""
+    if not init_alive or any(e.own for e in recent):
+        return "ended", now
+    newest = max((e.at for e in recent), default=None)
+    if newest is not None and now < newest + SETTLE_S:
+        return "wait", newest + SETTLE_S
+    return "go", now
+
+
+def _exits_words(exits: list[procwatch.Exit], now: float) -> str:
+    """The exits as words, the newest few ("process 19 killed by signal 9 0.4 s ago, ...")."""
+    shown = [e.describe(now) for e in exits[-4:]]
+    more = len(exits) - len(shown)
+    return ", ".join(shown) + (f" (and {more} more)" if more > 0 else "") if exits else "the sandbox's init ended"
 
 
 class JobEnding(CaptureFailed):

@@ -7,6 +7,7 @@ import fcntl
 import os
 import select
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,11 +117,23 @@ class Watch:
 
     def __init__(self, pids: list[int]) -> None:
         self.fds: dict[int, int] = {}
+        self.add(pids)
+
+    def add(self, pids: Iterable[int]) -> None:
+        """Watch these too (a PID watched already keeps its pidfd)."""
         for pid in pids:
+            if pid in self.fds:
+                continue
             try:
                 self.fds[pid] = os.pidfd_open(pid)
             except OSError:  # gone already: the caller's next look at the tree sees that
                 continue
+
+    def forget(self, pid: int) -> None:
+        """No longer watched (its end was read)."""
+        fd = self.fds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
 
     def ended(self) -> dict[int, int | None]:
         """pid -> wait status (None: unknown) of each watched process that has exited."""

@@ -1,12 +1,14 @@
 """2-rank (or N-rank) DDP on CPU with gloo and AdamW; prints each step's loss as exact float hex.
 
 Usage (under torchrun or cryosleep run): ddp_basic.py --steps N [--step-sleep S] [--hidden H] [--mem-mb M]
-[--own-log DIR] [--linger FILE] [--hold-at N --hold FILE] [--churn]. --mem-mb keeps that much extra state per rank (to
-measure snapshot cost against memory); --own-log makes each rank append its losses to a file it keeps open (a
-job's own log); --linger: after the last step, wait for FILE before ending (the job stays up for a test however
-slow the machine is); --hold-at N --hold FILE: after step N, wait for FILE (every rank between two steps, no
-collective under way: a test acts on the job at a known quiet moment); --churn: every step starts a short-lived
-child process (it exits 0 some 30 ms later, reaped the next step), as a DataLoader's workers come and go.
+[--own-log DIR] [--linger FILE] [--hold-at N --hold FILE] [--churn] [--helper-timeout-at N]. --mem-mb keeps that
+much extra state per rank (to measure snapshot cost against memory); --own-log makes each rank append its losses to
+a file it keeps open (a job's own log); --linger: after the last step, wait for FILE before ending (the job stays up
+for a test however slow the machine is); --hold-at N --hold FILE: after step N, wait for FILE (every rank between
+two steps, no collective under way: a test acts on the job at a known quiet moment); --churn: every step starts a
+short-lived child process (it exits 0 some 30 ms later, reaped the next step), as a DataLoader's workers come and
+go; --helper-timeout-at N: after step N, rank 0 runs a helper with a timeout it overruns (subprocess kills it with
+SIGKILL), then says so ("helper timed out"): a job that kills its own helper on purpose and goes on.
 """
 
 import argparse
@@ -30,6 +32,7 @@ def main() -> None:
     p.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold FILE")
     p.add_argument("--hold", default="", help="the file --hold-at waits for")
     p.add_argument("--churn", action="store_true", help="a short-lived child process each step")
+    p.add_argument("--helper-timeout-at", type=int, default=-1, help="after this step, rank 0's helper times out")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -63,6 +66,11 @@ def main() -> None:
             own.flush()
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if step == args.helper_timeout_at and rank == 0:
+            try:
+                subprocess.run(["sleep", "30"], timeout=0.2)
+            except subprocess.TimeoutExpired:
+                print("helper timed out", flush=True)
         while step == args.hold_at and not os.path.exists(args.hold):
             time.sleep(0.05)
     while args.linger and not os.path.exists(args.linger):
