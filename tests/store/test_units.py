@@ -173,3 +173,53 @@ def test_the_nccl_section_is_typed_and_its_json_unchanged() -> None:
                 {"ranks": [{**nccl["ranks"][0], "comms": [{**comm, "seq": "12"}]}]}):
         with pytest.raises(ManifestError):
             Manifest.from_json({**doc, "nodes": [{**doc["nodes"][0], "nccl": bad}]})
+
+
+def test_the_gpu_and_outbound_sections_are_typed_and_old_manifests_still_verify(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NodeImage.gpu is a NodeGpu and NodeImage.outbound a NodeOutbound. The manifests of data/ were written and
+    signed by the code before (every shape those sections took: CPU and GPU nodes, the stand-in fast path of a
+    real run, fast-path ranks from before pieces and plans, each outbound policy): each reads into typed fields,
+    writes back byte for byte the JSON it was read from, and its MAC verifies. A section half-written is refused."""
+    import json
+
+    from cryosleep.store import auth
+    from cryosleep.store.manifest import DevmemPiece, Manifest, ManifestError, NodeGpu, NodeOutbound
+
+    data = json.loads((Path(__file__).parent / "data" / "manifests-before-typed-sections.json").read_text())
+    monkeypatch.setenv("CRYOSLEEP_SIGN_KEY", data["key"])
+    shapes = {}
+    for case in data["manifests"]:
+        raw = json.dumps(case["manifest"], indent=2, sort_keys=True)
+        m = Manifest.from_json(json.loads(raw))
+        assert m.dumps() == raw, case["shape"]
+        assert auth.authenticate(m, m.id).startswith("signed with key"), case["shape"]
+        assert isinstance(m.nodes[0].gpu, NodeGpu) and isinstance(m.nodes[0].outbound, NodeOutbound)
+        shapes[case["shape"]] = m.nodes[0]
+    assert len(shapes) == 8
+    assert shapes["cpu, before outbound"].gpu == NodeGpu()
+    assert shapes["cpu, before outbound"].outbound == NodeOutbound()
+    gpu = shapes["GPU, no fast path"].gpu
+    assert gpu.driver == 12080 and [g.name for g in gpu.gpus] == ["NVIDIA H200"] * 2 and gpu.cuda_pids == [41, 57]
+    assert gpu.fast_path is None
+    out = shapes["outbound reset and kept"].outbound
+    assert [c.drained for c in out.reset] == [True, False] and out.undrained == out.reset[1:]
+    assert out.kept[0].queued_before is None and out.internal == 4 and out.waited_s == 1.5021
+    assert shapes["outbound policy only"].outbound.waited_s is None
+    real = shapes["stand-in fast path (real)"].gpu.fast_path
+    assert real is not None and real.ranks["0"].image_pieces()[1] == DevmemPiece("devmem/rank-0.devmem.001",
+                                                                                 1 << 20, 1 << 20)
+    old = shapes["GPU, fast path before pieces and plans"].gpu.fast_path
+    assert old is not None and old.ranks["0"].image_pieces() == [DevmemPiece("devmem/rank-0.devmem", 0, 1 << 20)]
+    assert old.ranks["1"].image_pieces() == [] and old.plain == {"1": "it did not offload in time"}
+
+    doc = data["manifests"][3]["manifest"]
+    node = doc["nodes"][0]
+    half_gpu = {"driver": 12080}
+    half_outbound = {k: v for k, v in node["outbound"].items() if k != "kept"}
+    bad_conn = {**node["outbound"], "reset": [{**node["outbound"]["reset"][0], "queued": "0"}]}
+    for bad in ({"gpu": half_gpu}, {"gpu": {"gpus": [{"index": 0}]}}, {"gpu": {"fast_path": {"ranks": {}}}},
+                {"gpu": {"fast_path": {"ranks": {"0": {"stage_path": 1}}, "plain": {}}}},
+                {"outbound": half_outbound}, {"outbound": bad_conn}, {"outbound": []}):
+        with pytest.raises(ManifestError):
+            Manifest.from_json({**doc, "nodes": [{**node, **bad}]})

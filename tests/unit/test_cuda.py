@@ -12,6 +12,7 @@ import pytest
 from cryosleep.capture import cuda
 from cryosleep.capture.restore import gpu_pairs
 from cryosleep.errors import CryosleepError, NotEligible
+from cryosleep.store.manifest import GpuDevice
 
 A = "GPU-497f9be6-753d-e541-65dd-c97e2d4802b7"
 B = "GPU-79b08128-4675-45e8-224f-609369039980"
@@ -27,7 +28,7 @@ def test_structures_match_the_driver_abi() -> None:
 
 
 def test_gpu_map_by_position_swap_and_refusals() -> None:
-    captured = [{"index": 0, "uuid": A, "name": "NVIDIA H200"}, {"index": 1, "uuid": B, "name": "NVIDIA H200"}]
+    captured = [GpuDevice(0, A, "NVIDIA H200"), GpuDevice(1, B, "NVIDIA H200")]
     here = [cuda.Gpu(0, cuda.parse_uuid(A), "NVIDIA H200"), cuda.Gpu(1, cuda.parse_uuid(B), "NVIDIA H200")]
     assert gpu_pairs(captured, here, None) == []  # the same GPUs: no map
     swapped = gpu_pairs(captured, here, [1, 0])

@@ -17,6 +17,7 @@ import pytest
 from cryosleep.capture import outbound
 from cryosleep.capture.outbound import Conn, Dest, Endpoint, Policy, classify
 from cryosleep.errors import UsageError
+from cryosleep.store.manifest import OutboundConn
 
 TABLE = """\
   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -227,9 +228,9 @@ def test_pre_resume_script_resets_and_reports(server: socket.socket, cryo_home: 
     proc, local_port, _ = child(server.getsockname()[1], "idle")
     peer, _ = server.accept()
     try:
-        rr = outbound.RestoreReset(Policy(), [], tmp_path, [
-            {"local": f"127.0.0.1:{local_port}", "remote": f"127.0.0.1:{server.getsockname()[1]}"},
-            {"local": "127.0.0.1:1", "remote": "127.0.0.1:2"}])
+        rr = outbound.RestoreReset(Policy(), [], tmp_path, [  # what the snapshot recorded
+            OutboundConn(f"127.0.0.1:{local_port}", f"127.0.0.1:{server.getsockname()[1]}", "ESTABLISHED", 0, "-"),
+            OutboundConn("127.0.0.1:1", "127.0.0.1:2", "ESTABLISHED", 0, "-")])
         script, env = rr.hook()
         base = dict(os.environ, **env, CRTOOLS_INIT_PID=str(proc.pid))
         for action in ("pre-restore", "post-restore", "post-resume"):  # not its stage: nothing done

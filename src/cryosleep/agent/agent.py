@@ -408,8 +408,8 @@ class Agent:
         self.lock_fd = restored.lock_fd
         self.barrier_peers = restored.peers
         self.spec = restored.spec
-        fast = restored.manifest.nodes[0].gpu.get("fast_path") or {}
-        self.devmem_dirs = {Path(e["stage_path"]).parent for e in fast.get("ranks", {}).values()}
+        fast = restored.manifest.nodes[0].gpu.fast_path
+        self.devmem_dirs = {Path(e.stage_path).parent for e in fast.ranks.values()} if fast else set()
         self.runtime = {k: v for k, v in restored.manifest.host.items() if k in ("python", "torch")}
         self.state = JobState(agent_pid=os.getpid(), init_pid=restored.init_pid, state="running",
                               restored_from=restored.manifest.id, net_end=restored.net_end)

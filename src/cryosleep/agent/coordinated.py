@@ -433,7 +433,7 @@ class CoordinatedNode:
         image = ImageRef(ref=manifest.id, bytes=manifest.bytes, sha256=hashlib.sha256(data).hexdigest(),
                          store=str(self.store.root), host=socket.gethostname(), remote=remote,
                          pause_s=manifest.pause_s,
-                         gpus=tuple(str(g.get("name")) for g in manifest.nodes[0].gpu.get("gpus") or ()))
+                         gpus=tuple(g.name for g in manifest.nodes[0].gpu.gpus))
         if not cap.stop:  # the job runs already: this node's part is done
             cap.finish()
             self.agent.state.last_snapshot = manifest.id

@@ -60,6 +60,7 @@ from cryosleep.capture.criu import action_script
 from cryosleep.core import proctree
 from cryosleep.core.job import JobSpec
 from cryosleep.errors import UsageError
+from cryosleep.store.manifest import NodeOutbound, OutboundConn
 from cryosleep.timing import Phases
 
 __all__ = [
@@ -287,6 +288,14 @@ class Verdict:
     def to_json(self) -> dict[str, Any]:
         return {**self.conn.to_json(), "reason": self.reason}
 
+    def record(self, queued: int | None = None) -> OutboundConn:
+        """As the manifest records it; ``queued``: (one to reset) its bytes unacknowledged after the wait."""
+        c = self.conn
+        if queued is None:
+            return OutboundConn(str(c.local), str(c.remote), c.state, c.queued, self.reason)
+        return OutboundConn(str(c.local), str(c.remote), c.state, queued, self.reason, queued_before=c.queued,
+                            drained=not queued)
+
 
 def classify(conns: Sequence[Conn], policy: Policy, *, own_ns: bool, job_nets: Sequence[Network] = ()) -> list[
         Verdict]:
@@ -336,14 +345,14 @@ def drain(init_pid: int, conns: Sequence[Conn], limit_s: float, *, clock: Callab
         sleep(POLL_S)
 
 
-def before_dump(spec: JobSpec, init_pid: int, phases: Phases, deadline: float) -> dict[str, Any]:
+def before_dump(spec: JobSpec, init_pid: int, phases: Phases, deadline: float) -> NodeOutbound:
     """Before the dump (the job running): sort the job's connections and, when some are to be reset, wait in
     the phase ``outbound`` (bounded) for their send queues to drain. Returns what the manifest records
     (``NodeImage.outbound``). A policy that resets nothing reads nothing; a job without connections to
     reset gets no phase (listing them reads /proc only: milliseconds)."""
     policy = Policy.from_json(spec.outbound)
     if not policy.active:
-        return {"policy": policy.to_json()}
+        return NodeOutbound(policy=policy.to_json())
     conns, _ = job_connections(init_pid)
     verdicts = classify(conns, policy, own_ns=bool(proctree.other_ns(init_pid)), job_nets=job_nets(spec.net))
     todo = [v.conn for v in verdicts if v.reset]
@@ -354,15 +363,11 @@ def before_dump(spec: JobSpec, init_pid: int, phases: Phases, deadline: float) -
             start = time.monotonic()
             left = drain(init_pid, todo, max(0.0, min(policy.drain_s, deadline - time.monotonic() - 1.0)))
             waited = time.monotonic() - start
-    return {
-        "policy": policy.to_json(),
-        "waited_s": round(waited, 4),
-        "reset": [{**v.to_json(), "queued": left.get(v.conn.inode, 0), "queued_before": v.conn.queued,
-                   "drained": not left.get(v.conn.inode, 0)} for v in verdicts if v.reset],
-        # connections to peers outside the job that stay as CRIU restores them (rules 4 and 5)
-        "kept": [v.to_json() for v in verdicts if not v.reset and v.outside],
-        "internal": sum(1 for v in verdicts if not v.outside),
-    }
+    return NodeOutbound(
+        policy=policy.to_json(), waited_s=round(waited, 4),
+        reset=[v.record(queued=left.get(v.conn.inode, 0)) for v in verdicts if v.reset],
+        kept=[v.record() for v in verdicts if not v.reset and v.outside],  # rules 4 and 5
+        internal=sum(1 for v in verdicts if not v.outside))
 
 
 # -- restore: reset them in the restored copy ------------------------------------------------------------
@@ -427,7 +432,7 @@ class RestoreReset:
     policy: Policy
     nets: list[Network]
     work_dir: Path
-    recorded: list[dict[str, Any]] = field(default_factory=list)  # what the snapshot drained (manifest)
+    recorded: list[OutboundConn] = field(default_factory=list)  # what the snapshot drained (manifest)
 
     @property
     def plan_path(self) -> Path:
@@ -438,12 +443,12 @@ class RestoreReset:
         return self.work_dir / "outbound.json"
 
     @classmethod
-    def plan(cls, spec: JobSpec, node_outbound: dict[str, Any], work_dir: Path) -> RestoreReset | None:
+    def plan(cls, spec: JobSpec, node_outbound: NodeOutbound, work_dir: Path) -> RestoreReset | None:
         """None when the job's policy resets nothing."""
         policy = Policy.from_json(spec.outbound)
         if not policy.active:
             return None
-        return cls(policy, job_nets(spec.net), work_dir, list(node_outbound.get("reset") or []))
+        return cls(policy, job_nets(spec.net), work_dir, list(node_outbound.reset))
 
     def hook(self) -> tuple[str, dict[str, str]]:
         """CRIU's ``--action-script`` and the environment it reads."""
@@ -475,8 +480,8 @@ class RestoreReset:
         # window probe (sent as it takes a socket out of repair mode) met a peer without that connection,
         # which answered with a reset. The application sees ECONNRESET all the same.
         seen = {(r.get("local"), r.get("remote")) for r in [*report.get("reset", []), *report.get("failed", [])]}
-        report["gone"] = [{"local": r["local"], "remote": r["remote"]} for r in self.recorded
-                          if (r.get("local"), r.get("remote")) not in seen]
+        report["gone"] = [{"local": r.local, "remote": r.remote} for r in self.recorded
+                          if (r.local, r.remote) not in seen]
         try:
             self.report_path.write_text(json.dumps(report, indent=1))
         except OSError:

@@ -58,7 +58,7 @@ from cryosleep.errors import CryosleepError, InterceptorError, NotEligible, NotF
 from cryosleep.net import sandbox as net_sandbox
 from cryosleep.store import auth, persist
 from cryosleep.store.local import LocalStore
-from cryosleep.store.manifest import FileEntry, Manifest, NcclCut
+from cryosleep.store.manifest import DevmemPiece, DevmemRank, FastPath, FileEntry, GpuDevice, Manifest, NcclCut
 from cryosleep.timing import Phases, Progress
 
 
@@ -175,12 +175,12 @@ class RestoreRun:
             ("lock", lambda: True, self._lock),
             ("barrier", lambda: self.req.meeting is not None, self._barrier),
             ("files", lambda: True, self._files),
-            ("devmem", lambda: bool(self._fast().get("ranks")), self._devmem),
+            ("devmem", lambda: bool(self._fast().ranks), self._devmem),
             ("network", lambda: bool(self.spec.net), self._network),
             ("criu", lambda: True, self._criu),
             ("outbound", lambda: self.resets is not None, self._outbound),
-            ("cuda-restore", lambda: bool(self.node.gpu.get("cuda_pids")), self._cuda_restore),
-            ("cuda-unlock", lambda: bool(self.node.gpu.get("cuda_pids")), self._cuda_unlock),
+            ("cuda-restore", lambda: bool(self.node.gpu.cuda_pids), self._cuda_restore),
+            ("cuda-unlock", lambda: bool(self.node.gpu.cuda_pids), self._cuda_unlock),
         ]
         self.fetch()
         try:
@@ -243,8 +243,8 @@ class RestoreRun:
     def work_dir(self) -> Path:
         return self.req.work_dir or self.job.path / "restore"
 
-    def _fast(self) -> dict[str, Any]:
-        return self.node.gpu.get("fast_path") or {}
+    def _fast(self) -> FastPath:
+        return self.node.gpu.fast_path or FastPath({}, {})
 
     # -- the phases --------------------------------------------------------------------------------------
 
@@ -260,8 +260,8 @@ class RestoreRun:
     def _compat(self) -> None:
         assert self.manifest is not None
         self.criu = criu_install.locate()
-        if self.node.gpu.get("gpus"):
-            self.pairs = gpu_pairs(self.node.gpu["gpus"], cuda.driver().gpus(), self.req.gpu_map)
+        if self.node.gpu.gpus:
+            self.pairs = gpu_pairs(self.node.gpu.gpus, cuda.driver().gpus(), self.req.gpu_map)
         problems = compat_problems(self.manifest, self.criu)
         lacking = privileges.missing(privileges.for_job(frozenset(), self.spec.user))
         if lacking:  # CRIU could restore it, but no snapshot of it could be taken here
@@ -297,7 +297,7 @@ class RestoreRun:
 
     def _devmem(self) -> None:
         assert self.manifest is not None
-        ranks = self._fast()["ranks"]
+        ranks = self._fast().ranks
         bad = put_devmem(ranks, self.node_dir, devmem_files(self.manifest))
         if bad:
             raise corrupt(self.manifest.id, bad)
@@ -344,7 +344,7 @@ class RestoreRun:
         self.resets.finish(self.init_pid)  # never raises: what it could not reset is told, the job runs on
 
     def _cuda_restore(self) -> None:
-        self.gpus = cuda.GpuSet(host_pids(self.init_pid, self.node.gpu["cuda_pids"]))
+        self.gpus = cuda.GpuSet(host_pids(self.init_pid, self.node.gpu.cuda_pids))
         self.gpus.restore(self.pairs)
 
     def _cuda_unlock(self) -> None:
@@ -413,7 +413,7 @@ def compat_problems(manifest: Manifest, criu: criu_install.Criu) -> list[str]:
     return problems
 
 
-def gpu_pairs(captured: list[dict[str, Any]], here: list[cuda.Gpu], gpu_map: list[int] | None) -> list[
+def gpu_pairs(captured: list[GpuDevice], here: list[cuda.Gpu], gpu_map: list[int] | None) -> list[
         tuple[bytes, bytes]]:
     """The CUDA restore map: captured GPU i goes to GPU ``gpu_map[i]`` here (default: by position).
 
@@ -421,16 +421,16 @@ def gpu_pairs(captured: list[dict[str, Any]], here: list[cuda.Gpu], gpu_map: lis
     if len(captured) != len(here):
         raise NotEligible("this machine has a different number of GPUs",
                           f"captured with {len(captured)}, {len(here)} here", "restore onto matching GPUs")
-    names = {g["name"] for g in captured} | {g.name for g in here}
+    names = {g.name for g in captured} | {g.name for g in here}
     if len(names) > 1:
-        raise NotEligible("the GPU model differs", f"captured on {captured[0]['name']}, here {here[0].name}",
+        raise NotEligible("the GPU model differs", f"captured on {captured[0].name}, here {here[0].name}",
                           "restore onto GPUs of the same model")
     order = gpu_map if gpu_map is not None else list(range(len(here)))
     if sorted(order) != list(range(len(here))):
         raise NotEligible(f"--gpu-map {','.join(map(str, order))} is not a permutation of the {len(here)} GPUs",
                           "every GPU must appear once", "e.g. --gpu-map 1,0 swaps two GPUs")
     new = [here[i].uuid_str for i in order]
-    old = [g["uuid"] for g in captured]
+    old = [g.uuid for g in captured]
     if old == new:
         return []
     return cuda.uuid_pairs(old, new)
@@ -459,23 +459,15 @@ def corrupt(sid: str, bad: list[str]) -> StoreCorrupt:
                         "restore another snapshot (`cryosleep ls`) and remove this one (`cryosleep rm`)", problems=bad)
 
 
-def devmem_pieces(entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """A rank's device-memory image: its pieces (image path relative to the node, offset, bytes); a
-    snapshot taken before images were cut into pieces has one file."""
-    if not entry.get("image"):
-        return []
-    return list(entry.get("pieces") or [{"image": entry["image"], "offset": 0, "bytes": int(entry["bytes"])}])
-
-
 def devmem_files(manifest: Manifest) -> dict[str, FileEntry]:
     """The fast path's device-memory files of the manifest's node, by path relative to the snapshot."""
     node = manifest.nodes[0]
-    ranks = ((node.gpu.get("fast_path") or {}).get("ranks") or {}).values()
-    names = {f"nodes/{node.node_rank}/{x['image']}" for e in ranks for x in devmem_pieces(e)}
+    ranks = node.gpu.fast_path.ranks.values() if node.gpu.fast_path else ()
+    names = {f"nodes/{node.node_rank}/{x.image}" for e in ranks for x in e.image_pieces()}
     return {f.path: f for f in node.files if f.path in names}
 
 
-def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntry]) -> list[str]:
+def put_devmem(ranks: dict[str, DevmemRank], node_dir: Path, checks: dict[str, FileEntry]) -> list[str]:
     """Every rank's fast-path staging file back at its path, at its size, before CRIU maps it again; for the
     ranks whose device memory it held at the snapshot, with that content (RELOAD copies it to the GPU), each
     piece checked against the manifest's SHA-256 as it is copied (``checks``: by path relative to the
@@ -483,34 +475,34 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
     left changed."""
     base = node_dir.parent.parent
     tmps: list[tuple[Path, str, int]] = []  # (path, temporary name, its directory's fd: files.open_dir)
-    todo: list[tuple[tuple[str, int], dict[str, Any], str, FileEntry]] = []
+    todo: list[tuple[tuple[str, int], DevmemPiece, str, FileEntry]] = []
     problems: list[str] = []
     for entry in ranks.values():
-        path = Path(entry["stage_path"])
+        path = Path(entry.stage_path)
         dfd = files.open_dir(str(path.parent), create=True, mode=0o700)  # no link on the way is followed
         tmp = path.name + ".cryosleep-restore"
         tmps.append((path, tmp, dfd))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         try:
             os.fchmod(fd, 0o600)  # a leftover of an interrupted restore may have had other bits
-            os.ftruncate(fd, int(entry["stage_bytes"]))
+            os.ftruncate(fd, entry.stage_bytes)
         finally:
             os.close(fd)
-        for piece in devmem_pieces(entry):
-            rel = str((node_dir / piece["image"]).relative_to(base))
+        for piece in entry.image_pieces():
+            rel = str((node_dir / piece.image).relative_to(base))
             want = checks.get(rel)
             if want is None:
                 problems.append(f"{rel}: not in the manifest's file list")
             else:
                 todo.append(((tmp, dfd), piece, rel, want))
 
-    def put(job: tuple[tuple[str, int], dict[str, Any], str, FileEntry]) -> str | None:
+    def put(job: tuple[tuple[str, int], DevmemPiece, str, FileEntry]) -> str | None:
         (tmp, dfd), piece, rel, want = job
         src = base / rel
         size = src.stat().st_size if src.exists() else -1
-        if size != want.size or size != int(piece["bytes"]):
+        if size != want.size or size != piece.bytes:
             return f"{rel}: size {size}, expected {want.size} (missing, truncated or altered)"
-        got = files.copy_hashed(src, tmp, size, dst_off=int(piece["offset"]), dst_dir_fd=dfd)
+        got = files.copy_hashed(src, tmp, size, dst_off=piece.offset, dst_dir_fd=dfd)
         if got != want.sha256:
             return f"{rel}: sha256 {got[:16]}..., expected {want.sha256[:16]}... (altered)"
         return None
@@ -539,10 +531,10 @@ def put_devmem(ranks: dict[str, Any], node_dir: Path, checks: dict[str, FileEntr
     return problems
 
 
-def remove_devmem(ranks: dict[str, Any]) -> None:
+def remove_devmem(ranks: dict[str, DevmemRank]) -> None:
     """Undo of :func:`put_devmem`: the staging files it put back removed (they hold device memory, on tmpfs)."""
     for entry in ranks.values():
-        path = Path(entry["stage_path"])
+        path = Path(entry.stage_path)
         path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             path.parent.rmdir()  # only when empty

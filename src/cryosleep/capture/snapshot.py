@@ -70,7 +70,19 @@ from cryosleep.core.job import JobSpec
 from cryosleep.cut.driver import Driver
 from cryosleep.errors import CaptureFailed, CryosleepError, InterceptorError, NotEligible
 from cryosleep.store.local import LocalStore, Staging, hash_tree
-from cryosleep.store.manifest import Manifest, NcclComm, NcclCut, NcclRank, NodeImage
+from cryosleep.store.manifest import (
+    DevmemPiece,
+    DevmemRank,
+    FastPath,
+    GpuDevice,
+    Manifest,
+    NcclComm,
+    NcclCut,
+    NcclRank,
+    NodeGpu,
+    NodeImage,
+    NodeOutbound,
+)
 from cryosleep.timing import Phases, Progress
 
 # A process of the job killed (or failing) this long before a snapshot makes it wait until this long has passed
@@ -186,7 +198,7 @@ class NodeCapture:
         self.criu = criu_install.locate()
         self.staging: Staging | None = None
         self.gpus = cuda.GpuSet([])
-        self.gpu_facts: dict[str, Any] = {}
+        self.gpu_facts = NodeGpu()
         self.nccl: Driver | None = None
         self.nccl_info = NcclCut()
         self.held = False  # CRIU left the tree stopped (a stop snapshot's dump): released by rollback or end
@@ -200,7 +212,7 @@ class NodeCapture:
         self.dumped_at = 0.0
         self.rss = 0
         self.mounts: list[str] = []
-        self.outbound_facts: dict[str, Any] = {}
+        self.outbound_facts = NodeOutbound()
         self.fast: list[int] = []
         self.fast_skipped: dict[int, str] = {}
         self.manifest: Manifest | None = None
@@ -246,9 +258,9 @@ class NodeCapture:
             if cuda.gpu_processes(target.init_pid):
                 self.gpus = cuda.GpuSet(cuda.cuda_processes(target.init_pid))
                 drv = cuda.driver()
-                self.gpu_facts = {"driver": drv.version(), "gpus": [
-                    {"index": g.index, "uuid": g.uuid_str, "name": g.name} for g in drv.gpus()],
-                    "cuda_pids": [proctree.ns_pid(p) for p in self.gpus.pids]}
+                self.gpu_facts = NodeGpu(drv.version(), [GpuDevice(g.index, g.uuid_str, g.name) for g in drv.gpus()],
+                                         [n for n in map(proctree.ns_pid, self.gpus.pids) if n is not None])
+                # (a process gone already is not listed: it fails the CUDA lock, and the snapshot with it)
             own_mnt = proctree.other_ns(target.init_pid, "mnt")
             self.mounts = criu_calls.external_mounts(target.init_pid) if own_mnt else []
             self.staging = self.store.begin(target.spec.name)
@@ -413,7 +425,7 @@ class NodeCapture:
         nccl = self.nccl
         if nccl is not None and any(b.devmem.stage_path for b in nccl.blocks.values()):  # mapped: CRIU needs them
             with self.phases.phase("devmem"):
-                self.gpu_facts["fast_path"] = save_devmem(nccl, self.fast, self.fast_skipped, node_dir, devmem_sums)
+                self.gpu_facts.fast_path = save_devmem(nccl, self.fast, self.fast_skipped, node_dir, devmem_sums)
         with self.phases.phase("checksum"):
             image_files = hash_tree(staging.path, [f"nodes/{self.node_rank}"], known=devmem_sums)
             staged = files.read_index(node_dir / "files")
@@ -548,29 +560,28 @@ def devmem_piece_size() -> int:
 
 
 def save_devmem(nccl: Driver, fast: list[int], skipped: dict[int, str], node_dir: Path,
-                digests: dict[str, str]) -> dict[str, Any]:
+                digests: dict[str, str]) -> FastPath:
     """Each offloaded rank's staging file (its device memory) copied into the image in pieces
     (``devmem/rank-R.devmem.NNN``, 1 GiB each), every piece hashed as it is copied (into ``digests``,
     image-relative path -> SHA-256, so the checksum does not read it again), all pieces in parallel; and what
     a restore needs to put every rank's staging file back before CRIU maps it again (docs/interceptor.md,
     "The fast path")."""
-    ranks: dict[str, Any] = {}
+    ranks: dict[str, DevmemRank] = {}
     todo: list[tuple[str, Path, int, int]] = []
     piece = devmem_piece_size()
     for r, b in nccl.blocks.items():
         dm = b.devmem
         if not dm.stage_path:
             continue
-        entry: dict[str, Any] = {"stage_path": dm.stage_path, "stage_bytes": dm.stage_bytes, "image": None,
-                                 "bytes": 0, "plan": dm.plan()}  # moved, left to the driver (why), the arena
+        entry = DevmemRank(dm.stage_path, dm.stage_bytes, image=None, plan=dm.plan())
         if r in fast:
             total = dm.offload_bytes
             name = f"{DEVMEM_DIR}/rank-{r}.devmem"
-            pieces: list[dict[str, Any]] = [{"image": f"{name}.{i:03d}", "offset": o, "bytes": min(piece, total - o)}
-                                            for i, o in enumerate(range(0, total, piece))]
-            pieces = pieces or [{"image": f"{name}.000", "offset": 0, "bytes": 0}]
-            todo += [(dm.stage_path, node_dir / x["image"], x["offset"], x["bytes"]) for x in pieces]
-            entry.update(image=pieces[0]["image"], pieces=pieces, bytes=total, offload_s=round(dm.offload_s, 4))
+            pieces = [DevmemPiece(f"{name}.{i:03d}", o, min(piece, total - o))
+                      for i, o in enumerate(range(0, total, piece))] or [DevmemPiece(f"{name}.000", 0, 0)]
+            todo += [(dm.stage_path, node_dir / x.image, x.offset, x.bytes) for x in pieces]
+            entry.image, entry.pieces, entry.bytes = pieces[0].image, pieces, total
+            entry.offload_s = round(dm.offload_s, 4)
         ranks[str(r)] = entry
     if todo:
         (node_dir / DEVMEM_DIR).mkdir(exist_ok=True)
@@ -578,7 +589,7 @@ def save_devmem(nccl: Driver, fast: list[int], skipped: dict[int, str], node_dir
             sums = list(pool.map(lambda t: files.copy_hashed(t[0], t[1], t[3], src_off=t[2]), todo))
         base = node_dir.parent.parent  # the snapshot's directory: the manifest's paths are relative to it
         digests.update({str(dst.relative_to(base)): h for (_, dst, _, _), h in zip(todo, sums, strict=True)})
-    return {"ranks": ranks, "plain": {str(r): why for r, why in skipped.items()}}
+    return FastPath(ranks, {str(r): why for r, why in skipped.items()})
 
 
 def undo_nccl(nccl: Driver | None, at_cut: bool, deadline: float) -> None:

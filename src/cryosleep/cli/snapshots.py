@@ -191,17 +191,17 @@ def cmd_show(a: argparse.Namespace) -> int:
             comms = {c.ident for r in n.nccl.ranks for c in r.comms}
             print(f"  NCCL: ranks {[r.rank for r in n.nccl.ranks]} cut with {len(comms)} communicator(s), "
                   "rebuilt on restore")
-        if n.outbound.get("reset") or n.outbound.get("kept"):
-            undrained = sum(1 for c in n.outbound.get("reset", []) if not c.get("drained"))
-            print(f"  outside the job: {len(n.outbound.get('reset', []))} connection(s) reset on restore"
-                  + (f" ({undrained} with unacknowledged bytes after {n.outbound.get('waited_s', 0):g} s)"
-                     if undrained else "")
-                  + f", {len(n.outbound.get('kept', []))} kept (--outbound-keep/--outbound-reset)")
-        fast = n.gpu.get("fast_path") or {}
-        moved = {r: e for r, e in (fast.get("ranks") or {}).items() if e.get("image")}
-        if moved or fast.get("plain"):
-            size = human_bytes(sum(e["bytes"] for e in moved.values()))
-            plain = sorted(fast.get("plain", {}).items())
+        out = n.outbound
+        if out.reset or out.kept:
+            undrained = len(out.undrained)
+            print(f"  outside the job: {len(out.reset)} connection(s) reset on restore"
+                  + (f" ({undrained} with unacknowledged bytes after {out.waited_s or 0:g} s)" if undrained else "")
+                  + f", {len(out.kept)} kept (--outbound-keep/--outbound-reset)")
+        fast = n.gpu.fast_path
+        moved = {r: e for r, e in fast.ranks.items() if e.image} if fast else {}
+        if fast and (moved or fast.plain):
+            size = human_bytes(sum(e.bytes for e in moved.values()))
+            plain = sorted(fast.plain.items())
             print(f"  fast path: ranks {sorted(moved, key=int)} moved {size} of device memory themselves"
                   + "".join(f"; rank {r} took the plain path: {why}" for r, why in plain))
     print(phase_table(m.phases))

@@ -244,12 +244,9 @@ def path_problems(manifest: Manifest) -> list[str]:
                 out.append(f"file to put back {s.path!r:.120} (size {s.size}, tail {s.tail_len}, mode {s.mode})")
             if s.staged is not None and f"{top}files/{s.staged}" not in images:
                 out.append(f"copy {s.staged!r:.60} of {s.path!r:.120} (not an image file of the manifest)")
-        fast = node.gpu.get("fast_path")
-        ranks = fast.get("ranks") if isinstance(fast, dict) else None
-        for entry in ranks.values() if isinstance(ranks, dict) else ():
-            stage = entry.get("stage_path") if isinstance(entry, dict) else None
-            if not _job_path(stage):
-                out.append(f"device-memory staging file {stage!r:.120} (not an absolute normal path)")
+        for entry in node.gpu.fast_path.ranks.values() if node.gpu.fast_path else ():
+            if not _job_path(entry.stage_path):
+                out.append(f"device-memory staging file {entry.stage_path!r:.120} (not an absolute normal path)")
     return out
 
 

@@ -16,7 +16,7 @@ import json
 import re
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 FORMAT_VERSION = 1
@@ -67,11 +67,25 @@ def _build(cls: Any, data: Any, where: str, **parsed: Any) -> Any:
             if f.default is MISSING and f.default_factory is MISSING:  # required
                 raise ManifestError(f"{where} has no {f.name!r}")
             continue
-        value = data[f.name]
-        if not _fits(value, hints[f.name]):
-            raise ManifestError(f"{where}.{f.name} is {value!r:.80}, not {hints[f.name]}")
-        args[f.name] = value
+        args[f.name] = _read(data[f.name], hints[f.name], f"{where}.{f.name}")
     return cls(**args)
+
+
+def _read(value: Any, tp: Any, where: str) -> Any:
+    """A JSON value as a field's annotation says: sections (dataclasses) built with every field checked, lists
+    and dicts of them item by item; anything else checked as it is (:func:`_fits`)."""
+    if isinstance(tp, type) and is_dataclass(tp):
+        return _build(tp, value, where)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union) and type(None) in args and len(args) == 2:
+        return None if value is None else _read(value, next(t for t in args if t is not type(None)), where)
+    if origin is list and isinstance(value, list) and args:
+        return [_read(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict and isinstance(value, dict) and args and isinstance(args[1], type) and is_dataclass(args[1]):
+        return {k: _read(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
+    if not _fits(value, tp):
+        raise ManifestError(f"{where} is {value!r:.80}, not {tp}")
+    return value
 
 
 # fields older manifests wrote as null for "none"
@@ -185,6 +199,166 @@ class NcclCut:
 
 
 @dataclass
+class GpuDevice:
+    """A GPU of the node at the snapshot, as the CUDA driver names it."""
+
+    index: int
+    uuid: str
+    """``GPU-...``: a restore onto other GPUs maps it to theirs (``restore --gpu-map``)."""
+    name: str
+
+
+@dataclass
+class DevmemPiece:
+    """A piece of a rank's device-memory image (``devmem/rank-R.devmem.NNN``)."""
+
+    image: str
+    """Its path, relative to the node's directory."""
+    offset: int
+    """Where it goes in the rank's staging file."""
+    bytes: int
+
+
+@dataclass
+class DevmemRank:
+    """A rank of the fast path at the snapshot: its staging file, which a restore puts back (at its size, and
+    with the image's content when the rank moved its device memory itself) before CRIU maps it again."""
+
+    stage_path: str
+    stage_bytes: int
+    image: str | None
+    """Its image's (first) piece; None: the rank took the plain path (the driver's checkpoint holds its memory)."""
+    bytes: int = 0
+    """Device memory it moved itself (the image's size)."""
+    plan: dict[str, Any] | None = None
+    """What it moved and what it left to the driver, and why (``DevMem.plan()``, as `check --job` shows it);
+    None in snapshots older than that record."""
+    pieces: list[DevmemPiece] | None = None
+    """None: one image file (snapshots before images were cut into pieces), or none (the plain path)."""
+    offload_s: float | None = None
+    """How long moving its memory out took; None: it did not."""
+
+    def image_pieces(self) -> list[DevmemPiece]:
+        """Its device-memory image, piece by piece; a snapshot taken before images were cut into pieces has one."""
+        if not self.image:
+            return []
+        return list(self.pieces or [DevmemPiece(self.image, 0, self.bytes)])
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        return {k: v for k, v in out.items() if v is not None or k == "image"}  # as the capture wrote it
+
+
+@dataclass
+class FastPath:
+    """The fast path of a node at the snapshot (docs/interceptor.md, "The fast path")."""
+
+    ranks: dict[str, DevmemRank]
+    """By rank (as text): every rank with a staging file."""
+    plain: dict[str, str]
+    """Ranks that took the plain path although the fast path was on, and why."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": {r: e.to_json() for r, e in self.ranks.items()}, "plain": self.plain}
+
+
+@dataclass
+class NodeGpu:
+    """What a node's job held of its GPUs at the snapshot; ``{}`` when nothing (what manifests have always
+    written, and what their MAC covers)."""
+
+    driver: int | None = None
+    """The CUDA driver's version; None: no process of the job held a GPU (then ``gpus`` and ``cuda_pids`` are
+    empty and, like it, not written)."""
+    gpus: list[GpuDevice] = field(default_factory=list)
+    """Every GPU of the node, in the driver's order (a restore needs as many, of the same model)."""
+    cuda_pids: list[int] = field(default_factory=list)
+    """The processes the CUDA checkpoint locked, inside the job's PID namespace."""
+    fast_path: FastPath | None = None
+    """None: no rank had a staging file."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.driver is not None:
+            out.update(driver=self.driver, gpus=[asdict(g) for g in self.gpus], cuda_pids=self.cuda_pids)
+        if self.fast_path is not None:
+            out["fast_path"] = self.fast_path.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> NodeGpu:
+        if data is None:
+            return cls()
+        built: NodeGpu = _build(cls, data, where)
+        _together(data, ("driver", "gpus", "cuda_pids"), where)
+        return built
+
+
+@dataclass
+class OutboundConn:
+    """A connection of the job to a peer outside it, as the snapshot sorted it (``capture.outbound``)."""
+
+    local: str
+    remote: str
+    state: str
+    queued: int
+    """Bytes the peer had not acknowledged (of one to reset: when the wait for them ended)."""
+    reason: str
+    """Why it is reset, or kept as CRIU restores it."""
+    queued_before: int | None = None
+    """(one to reset) the bytes unacknowledged before the wait; None for one kept."""
+    drained: bool | None = None
+    """(one to reset) whether every byte was acknowledged; None for one kept."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class NodeOutbound:
+    """A node's connections to peers outside the job at the snapshot: drained before the dump and reset in a
+    restored copy (``capture.outbound.before_dump``). ``{}`` in snapshots older than this record; only the
+    policy when it resets nothing (then nothing was sorted)."""
+
+    policy: dict[str, Any] | None = None
+    """The job's ``capture.outbound.Policy`` as JSON."""
+    waited_s: float | None = None
+    """How long the snapshot waited for send queues to drain; None: the connections were not sorted (then
+    ``reset``, ``kept`` and ``internal`` are empty and, like it, not written)."""
+    reset: list[OutboundConn] = field(default_factory=list)
+    kept: list[OutboundConn] = field(default_factory=list)
+    """Connections outside the job that stay as CRIU restores them (``--outbound-keep/--outbound-reset``)."""
+    internal: int = 0
+    """Connections within the job (left as CRIU restores them)."""
+
+    @property
+    def undrained(self) -> list[OutboundConn]:
+        return [c for c in self.reset if not c.drained]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {} if self.policy is None else {"policy": self.policy}
+        if self.waited_s is not None:
+            out.update(waited_s=self.waited_s, reset=[c.to_json() for c in self.reset],
+                       kept=[c.to_json() for c in self.kept], internal=self.internal)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> NodeOutbound:
+        if data is None:
+            return cls()
+        built: NodeOutbound = _build(cls, data, where)
+        _together(data, ("waited_s", "reset", "kept", "internal"), where)
+        return built
+
+
+def _together(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:
+    """A section's fields that are written all or none (what makes its JSON come back the same)."""
+    present = [n for n in names if data.get(n) is not None]
+    if present and len(present) != len(names):
+        raise ManifestError(f"{where} has {', '.join(present)} but not all of {', '.join(names)}")
+
+
+@dataclass
 class NodeImage:
     node_rank: int
     ranks: list[int]
@@ -193,14 +367,13 @@ class NodeImage:
     staged: list[StagedFile] = field(default_factory=list)
     processes: int = 0
     rss_bytes: int = 0
-    gpu: dict[str, Any] = field(default_factory=dict)  # driver, gpus [{index, uuid, name}], cuda_pids
+    gpu: NodeGpu = field(default_factory=NodeGpu)  # the GPUs the job held, and the fast path's device memory
     mounts: list[str] = field(default_factory=list)  # host mountpoints the sandbox binds (CRIU externals)
     # The NCCL interceptors at the cut (empty when no worker had called NCCL): a restore rebuilds them.
     nccl: NcclCut = field(default_factory=NcclCut)
     expected: list[ExpectedFile] = field(default_factory=list)  # files the destination must have, unchanged
     # Connections to peers outside the job, drained before the dump and reset at restore
-    # (cryosleep.capture.outbound.before_dump): {"policy", "waited_s", "reset": [...], "kept": [...], "internal"}
-    outbound: dict[str, Any] = field(default_factory=dict)
+    outbound: NodeOutbound = field(default_factory=NodeOutbound)
 
     @property
     def bytes(self) -> int:
@@ -234,7 +407,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         for node, n in zip(out["nodes"], self.nodes, strict=True):
-            node["nccl"] = n.nccl.to_json()
+            node.update(nccl=n.nccl.to_json(), gpu=n.gpu.to_json(), outbound=n.outbound.to_json())
         out["bytes"] = self.bytes
         return out
 
@@ -282,7 +455,9 @@ class Manifest:
 
             nodes.append(_build(NodeImage, n, where, files=items("files", FileEntry),
                                 staged=items("staged", StagedFile), expected=items("expected", ExpectedFile),
-                                nccl=NcclCut.from_json(n.get("nccl"), f"{where}.nccl")))
+                                nccl=NcclCut.from_json(n.get("nccl"), f"{where}.nccl"),
+                                gpu=NodeGpu.from_json(n.get("gpu"), f"{where}.gpu"),
+                                outbound=NodeOutbound.from_json(n.get("outbound"), f"{where}.outbound")))
         m: Manifest = _build(cls, data, "the manifest", nodes=nodes)
         if not isinstance(m.job.get("name"), str) or not m.job["name"]:
             raise ManifestError("the manifest's job has no name")
