@@ -10,7 +10,8 @@ from cryosleep.errors import NetError
 from cryosleep.net.host import Host
 from cryosleep.net.plan import JobNet, host_end_name
 
-__all__ = ["after_restore", "attach", "hold", "prepare", "prepare_restore", "release", "set_peers", "undo_restore"]
+__all__ = ["after_restore", "attach", "hold", "move_peer", "prepare", "prepare_restore", "release", "set_peers",
+           "undo_restore"]
 
 
 def prepare(net: JobNet, peers: Sequence[str] = (), host: Host | None = None) -> None:
@@ -28,6 +29,18 @@ def set_peers(net_json: dict[str, Any], peers: Sequence[str], host: Host | None 
     net = JobNet.from_json(net_json)
     if peers or host.link(net.vxlan) is not None:
         host.ensure_overlay(net, peers)
+
+
+def move_peer(net_json: dict[str, Any], old: str, new: str, host: Host | None = None) -> list[str]:
+    """A node of the job moved from the host at ``old`` to the one at ``new`` (a live migration): the overlay here
+    floods to ``new`` instead of ``old`` ("" when unknown: ``new`` is added), and what it learned to send ``old``
+    directly is forgotten (``Host.set_peers``). Returns the peers now."""
+    host = host or Host()
+    net = JobNet.from_json(net_json)
+    have = set(host.overlay_peers(net)) if host.link(net.vxlan) is not None else set()
+    peers = sorted((have - {old}) | {new})
+    host.ensure_overlay(net, peers)
+    return peers
 
 
 def attach(net_json: dict[str, Any], sandbox_pid: int, peers: Sequence[str] = (), host: Host | None = None) -> str:
