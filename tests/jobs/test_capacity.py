@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from cryosleep.core import proctree
+from cryosleep.net import Host
+from cryosleep.net.plan import job_net
 from tests.conftest import require_criu
 from tests.jobs.coordinated import Coordinator, wait_for
 from tests.jobs.harness import reference, workload
-from cryosleep.net import Host
-from cryosleep.net.plan import job_net
 from tests.jobs.hosts import SPARE_LINK, UNDERLAY, HostHarness, start_host_daemon, three_hosts, two_hosts
 from tests.jobs.test_multinode import ARGS, assert_identical
 

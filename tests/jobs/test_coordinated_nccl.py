@@ -5,12 +5,18 @@ Its communicators span both nodes, so neither node can reach a cut on its own: t
 over the four ranks, every node quiesces, captures, and the rebuilt communicators' fresh ids cross the nodes
 through it (resume/relay); at the restore the nodes meet at its board (the barrier, then the id relay). The
 per-step digests of all four ranks must equal an uninterrupted 4-rank run's bit for bit.
+
+Then a live migration of such a job (`coordinator drain`, three host daemons named on this one machine): node 1
+alone moves to the spare, node 0's ranks hold at the cut, their communicators rebuilt with the restored node's
+through the coordinator, and node 0's processes stay the same.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,3 +101,45 @@ def assert_identical(h: Harness, ref: dict[int, list[str]]) -> None:  # noqa: F8
         got = h.losses(NODES[r // 2], r)
         assert got == ref[r], f"rank {r}: {len(got)} steps vs {len(ref[r])}; first difference at " + str(
             next((i for i, (a, b) in enumerate(zip(got, ref[r], strict=False)) if a != b), min(len(got), len(ref[r]))))
+
+
+@pytest.mark.extended
+def test_nccl_node_migrated_to_a_spare_while_the_other_node_holds(h: Harness, coord: Coordinator,  # noqa: F811
+                                                                  tmp_path: Path) -> None:
+    script = workload("nccl_dp")
+    args = lingering(tmp_path, 60)
+    port = str(free_port())
+    daemons = []
+    for name in ("hostA", "hostB", "hostC"):  # one machine, three host daemons: what `drain` sees as hosts
+        p = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "host", "serve", "--name", name,
+                              "--coordinator", coord.url, "--poll-wait", "2", "--json"], stdout=subprocess.PIPE,
+                             text=True, env=h.env)
+        daemons.append(p)
+        assert p.stdout is not None and json.loads(p.stdout.readline())["event"] == "serving"
+    try:
+        for n, host in ((0, "hostA"), (1, "hostB")):
+            h.cli_json("run", "--detach", "--name", "nd", "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node",
+                       "2", "--master-port", port, "--run-id", f"nd-{port}", "--net", "job", "--coordinator",
+                       coord.url, str(script), *args, env={**h.env, "CRYOSLEEP_HOST": host})
+        h.wait_step(NODES[0], 5)
+        before = h.pids(NODES[0])
+        old_agent = h.job(NODES[1]).read()[1].agent_pid
+        out = json.loads(h.cli("coordinator", "drain", "hostB", "--deadline", "120", "--json", "--coordinator",
+                               coord.url).stdout)
+        (d,) = out["jobs"]
+        assert d["action"] == "migrate" and d["spare"] == ["hostC"] and d["outcome"] == "migrated", out
+        assert h.pids(NODES[0]) == before and h.state(NODES[0]) == "running"
+        new_agent = h.job(NODES[1]).read()[1].agent_pid
+        assert new_agent != old_agent and h.state(NODES[1]) == "running"
+        # the communicators spanning both nodes were rebuilt across the move: node 0's ids relayed to the spare
+        events = [e["message"] for e in json.loads(h.cli("coordinator", "show", d["migration"], "--json",
+                                                         "--coordinator", coord.url).stdout)["events"]]
+        assert any(" rebuild " in m and "node 1 restored on host hostC" in m for m in events), events
+        (tmp_path / "linger").touch()
+        assert h.wait_end(NODES[0]) == 0 and h.wait_end(NODES[1]) == 0
+        assert_identical(h, reference(script, args_for(tmp_path, 60, 0), 4))
+    finally:
+        for p in daemons:
+            p.send_signal(signal.SIGTERM)
+        for p in daemons:
+            p.wait(60)

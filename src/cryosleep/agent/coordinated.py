@@ -371,9 +371,10 @@ class CoordinatedNode:
         self._current(cmd)
         if not self.agent.spec.net:
             return {"peers": []}
-        peers = net_sandbox.move_peer(self.agent.spec.net, str(cmd.args.get("old") or ""), str(cmd.args["new"]))
-        self.log(f"job network: overlay peers {', '.join(peers)} (node(s) {cmd.args.get('nodes')} moved from "
-                 f"{cmd.args.get('old') or 'an unknown host'} to {cmd.args['new']})")
+        old, new = str(cmd.args.get("old") or ""), str(cmd.args.get("new") or "")
+        peers = net_sandbox.move_peer(self.agent.spec.net, old, new)
+        self.log(f"job network: overlay peers {', '.join(peers) or 'none'} (node(s) {cmd.args.get('nodes')} moved "
+                 f"from {old or 'this host'} to {new or 'this host'})")
         return {"peers": peers}
 
     def finish(self, cmd: Command) -> dict[str, Any]:

@@ -181,7 +181,10 @@ class MigrateRun(SnapshotRun):
                 self.board.exchange(self.net_board, {f"underlay/{n}": {"ip": new, "host": self.spare[n]}})
             if self.holds_net and self.staying:
                 old = self.under.get(n, "")
-                self.gather(Op.NET_PEERS, {"old": old, "new": new, "nodes": [n]}, deadline, nodes=self.staying)
+                # a staying node on the spare's own network address (one machine) needs no overlay peer for it
+                args = {s: {"old": old, "new": "" if new == self.under.get(s) else new, "nodes": [n]}
+                        for s in self.staying}
+                self.gather(Op.NET_PEERS, args.__getitem__, deadline, nodes=self.staying)
                 self._decision(f"node {n}: the staying nodes' overlay now sends to {new} (host {self.spare[n]})"
                                + (f" instead of {old}" if old else ""))
         if self.holds_net and self.staying:
@@ -261,7 +264,10 @@ class MigrateRun(SnapshotRun):
                                     self._spare_failed(n) or f"its order is {st['state']}",
                                     "see the host daemon's log there")
             r = st["nodes"][0].get("result") or {}
-            self._decision(f"node {n} restored on host {self.spare[n]} (init pid {r.get('init_pid')})")
+            phases = r.get("phases") or {}
+            self._decision(f"node {n} restored on host {self.spare[n]} (init pid {r.get('init_pid')}; its restore's "
+                           "phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()
+                                                  if isinstance(v, (int, float))) + ")")
 
     # ---- the sequence ----------------------------------------------------------------------------------------
 

@@ -33,13 +33,14 @@ def set_peers(net_json: dict[str, Any], peers: Sequence[str], host: Host | None 
 
 def move_peer(net_json: dict[str, Any], old: str, new: str, host: Host | None = None) -> list[str]:
     """A node of the job moved from the host at ``old`` to the one at ``new`` (a live migration): the overlay here
-    floods to ``new`` instead of ``old`` ("" when unknown: ``new`` is added), and what it learned to send ``old``
-    directly is forgotten (``Host.set_peers``). Returns the peers now."""
+    floods to ``new`` instead of ``old`` (either "": none, as when it is this host), and what it learned to send
+    ``old`` directly is forgotten (``Host.set_peers``). Returns the peers now."""
     host = host or Host()
     net = JobNet.from_json(net_json)
     have = set(host.overlay_peers(net)) if host.link(net.vxlan) is not None else set()
-    peers = sorted((have - {old}) | {new})
-    host.ensure_overlay(net, peers)
+    peers = sorted(((have - {old}) | {new}) - {""})
+    if peers or have:
+        host.ensure_overlay(net, peers)
     return peers
 
 
