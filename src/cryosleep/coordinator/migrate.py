@@ -186,7 +186,8 @@ class MigrateRun(SnapshotRun):
                         for s in self.staying}
                 self.gather(Op.NET_PEERS, args.__getitem__, deadline, nodes=self.staying)
                 self._decision(f"node {n}: the staying nodes' overlay now sends to {new} (host {self.spare[n]})"
-                               + (f" instead of {old}" if old else ""))
+                               + (f" instead of {old}" if old and old != new else
+                                  ", the address its old host had too" if old else ""))
         if self.holds_net and self.staying:
             self.gather(Op.NET_RELEASE, {}, deadline, nodes=self.staying)
 
