@@ -381,8 +381,7 @@ class CoordinatedNode:
         return self._serial(self._finish, cmd)
 
     def _finish(self, cmd: Command) -> dict[str, Any]:
-        """(a migration's staying node, running again) the snapshot is over here: nothing was captured, the staging
-        begun at prepare goes."""
+        """(a migration's staying node, running again) the snapshot is over here: the staging begun at prepare goes."""
         if self.done.get(cmd.snapshot) == "migrated":
             return {}
         cap = self._current(cmd)
@@ -621,8 +620,7 @@ class RestoreRendezvous:
         self._post(self._entry(None, [], 0), "this node is restoring")
 
     def checked(self) -> None:
-        """This node's checks passed (before it takes the job's lock). A live migration's coordinator waits for
-        this word before it ends the node's previous incarnation; a plain restore says nothing."""
+        """This node's checks passed: a live migration's coordinator then ends the node's old self (plain: no word)."""
         if self.migrating:
             self._board(time.monotonic() + BOARD_RETRY_FOR_S,
                         {f"checked/{self.node_rank}": {"token": self.token, "host": socket.gethostname()}})

@@ -405,7 +405,7 @@ class Coordinator:
                     d.outcome, d.error = "failed", err
                     self._drain_said(d, f"host {host}: job {d.job}: failed: {err.get('what')}")
                     continue
-                drain_rules.fall_back(d, str(err.get("what")))
+                drain_rules.fall_back(d, str(err.get("what")) + (f": {err['why']}" if err.get("why") else ""))
                 self._drain_step(d, deadline)
         for d in decisions:
             if not d.snapshot or d.outcome != "pending":
@@ -437,7 +437,7 @@ class Coordinator:
                                               request_id=f"drain-{d.host}-{time.time():.0f}")["id"])
         except CryosleepError as e:
             if d.action == drain_rules.MIGRATE:  # not started: the job runs where it was
-                drain_rules.fall_back(d, e.what)
+                drain_rules.fall_back(d, f"{e.what}: {e.why}" if e.why else e.what)
                 self._drain_said(d, f"host {d.host}: job {d.job}: migrate: " + "; ".join(d.reasons))
                 self._drain_step(d, deadline)
                 return

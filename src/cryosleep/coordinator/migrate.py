@@ -84,6 +84,16 @@ class MigrateRun(SnapshotRun):
         self.rebuild_gen = 0
         self.ponr = False
 
+    @property
+    def cancelled(self) -> bool:
+        """A coordinator winding down cancels a migration only before its point of no return: past it, rolling
+        back means ending the job, and going on takes seconds."""
+        return self._cancelled and not self.ponr
+
+    @cancelled.setter
+    def cancelled(self, value: bool) -> None:
+        self._cancelled = value
+
     def _decision(self, message: str) -> None:
         """A step of the migration, with its reason: an event of the snapshot (and of the drain's log)."""
         self.catalog.event("migrate", message, job=self.job, snapshot=self.sid)
