@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cryosleep.capture import criu_install
 from cryosleep.core import proctree
 from cryosleep.net import Host
 from cryosleep.net.plan import job_net
@@ -149,6 +151,45 @@ def test_a_drained_node_with_a_spare_moves_alone_while_the_other_keeps_its_proce
 
             assert ha.wait_end("mn.node0", 180) == 0 and ha.wait_end("mn.node1", 180) == 0
             assert_identical(ha, reference(workload("ddp_basic"), ARGS, nproc=4))
+        finally:
+            for p in daemons:
+                p.send_signal(signal.SIGTERM)
+            for p in daemons:
+                p.wait(60)
+            coord.stop()
+
+
+def test_a_migration_whose_spare_fails_past_the_point_of_no_return_ends_the_job_rather_than_hang(
+        cryo_home: Path, tmp_path: Path) -> None:
+    """The spare's CRIU restore fails (a wrapper refuses `restore` there) after its checks passed and node 1's old
+    incarnation ended: node 0 cannot go on without it, and is ended at once, the job marked damaged."""
+    require_criu()
+    real = " ".join(shlex.quote(a) for a in criu_install.locate().argv)
+    wrapper = tmp_path / "criu-no-restore"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" restore "*) echo "restore refused (test)" >&2; exit 1;; esac\n'
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    with three_hosts(cryo_home, ("mn.node0", "mn.node1")) as (ha, hb, hc):
+        coord = Coordinator(tmp_path, "0.0.0.0:0", prefix=tuple(proctree.nsenter_net(ha.ns_pid)))
+        url = f"http://{UNDERLAY[0]}:{coord.url.rsplit(':', 1)[1]}"
+        for h, name in ((ha, "hostA"), (hb, "hostB"), (hc, "hostC")):
+            h.env = coord.env({**h.env, "CRYOSLEEP_COORDINATOR": url, "CRYOSLEEP_HOST": name})
+        hc.env["CRYOSLEEP_CRIU"] = str(wrapper)
+        daemons = [start_host_daemon(h, name, url) for h, name in ((ha, "hostA"), (hb, "hostB"), (hc, "hostC"))]
+        try:
+            port = 29000 + os.getpid() % 1000
+            ha.run_node("mn", 0, port, url, ARGS)
+            hb.run_node("mn", 1, port, url, ARGS)
+            ha.wait_step("mn.node0", 8)
+            res = ha.cli("coordinator", "drain", "hostB", "--deadline", "120", "--json", check=False)
+            (d,) = json.loads(res.stdout)["jobs"]
+            assert res.returncode == 1 and d["action"] == "migrate" and d["outcome"] == "failed", d
+            assert "node 1's restore on host hostC did not finish" in d["error"]["what"], d
+            assert "the job was ended on every node" in d["error"]["hint"], d
+            assert ha.wait_end("mn.node0", 60) not in (0, 75)  # ended by the coordinator, not left waiting
+            assert ha.coordinator("job", "mn")["state"] == "damaged"
+            events = [e["message"] for e in ha.coordinator("show", d["migration"])["events"]]
+            assert any("point of no return" in m for m in events), events
         finally:
             for p in daemons:
                 p.send_signal(signal.SIGTERM)
