@@ -271,7 +271,11 @@ class RestoreRun:
         assert self.criu is not None
         if self.lock_fd < 0:
             def say() -> None:
-                self.log(f"job {self.job.name}'s previous agent is still ending: waiting up to "
+                if self.req.lock_wait_s:
+                    self.log(f"job {self.job.name}'s previous incarnation holds its lock here (a live migration: "
+                             f"its coordinator ends it now): waiting up to {self.req.lock_wait_s:g} s")
+                else:
+                    self.log(f"job {self.job.name}'s previous agent is still ending: waiting up to "
                              f"{ENDING_WAIT_S:g} s")
 
             fd = self.lock_fd = self.job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say,

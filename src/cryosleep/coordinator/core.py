@@ -393,7 +393,8 @@ class Coordinator:
             self._drain_step(d, deadline)
         for d in decisions:
             if d.action == drain_rules.MIGRATE:
-                row = self.wait_snapshot(d.migration, deadline + self.cfg.rollback_s * 3)
+                # its own phases past the point of no return have a bound of their own (migrate.py)
+                row = self.wait_snapshot(d.migration, 2 * deadline + self.cfg.rollback_s * 3)
                 if row["state"] == "migrated":
                     d.outcome = "migrated"
                     self._drain_said(d, f"host {host}: job {d.job}: migrated (snapshot {d.migration}: "
