@@ -180,16 +180,21 @@ def test_a_drained_host_without_a_spare_ends_its_job_suspended_and_queued(env: E
     assert c.undrain("sim-1")["was_drained"] and c.hosts()[1]["drained"] is None
 
 
-def test_a_drain_with_a_spare_says_so_and_the_cli_prints_every_decision(
+def test_a_drain_with_a_spare_migrates_and_falls_back_to_the_queue_when_the_spare_never_restores(
         env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     env.cluster(nnodes=2, nproc=1)
     c = env.client()
-    c.host_poll("spare", {}, 0)
-    assert main(["coordinator", "drain", "sim-0", "--deadline", "20", "--coordinator", env.url, "--token-file",
+    c.host_poll("spare", {"underlay": "10.9.9.9"}, 0)  # polls once, never runs its order: never passes its checks
+    assert main(["coordinator", "drain", "sim-0", "--deadline", "5", "--coordinator", env.url, "--token-file",
                  str(env.tmp / "token")]) == 0
     out = capsys.readouterr().out
-    assert "job sim (node(s) 0): suspend-and-queue: queued" in out
-    assert "host(s) spare are free with those nodes' GPUs" in out and "live migration" in out
+    assert "job sim (node(s) 0): suspend-and-queue: queued" in out and ", migration sim-" in out, out
+    assert "host(s) spare are free with those nodes' GPUs" in out and "only those nodes move (node 0 to spare)" in out
+    assert "failed (the restore of node(s) [0] of job 'sim' on the spare did not pass its checks in time" in out
+    migration = next(ev for ev in env.coordinator.catalog.events(job="sim") if ev["kind"] == "migrate")["snapshot"]
+    row = env.coordinator.catalog.snapshot(migration)
+    assert row["mode"] == "migrate" and row["state"] == "failed" and not row["valid"], row
+    assert [n["state"] for n in row["nodes"]] == ["resumed", "resumed"]
     assert c.drain("nowhere", deadline_s=5)["jobs"] == []  # a host with no job: drained, nothing moved
 
 

@@ -53,13 +53,30 @@ class HostHarness(Harness):
         return out
 
 
+SPARE_LINK = ("10.250.2.1", "10.250.2.2")  # host A <-> host C, the spare of three_hosts
+
+
 @contextmanager
 def two_hosts(home: Path, jobs: tuple[str, ...]) -> Iterator[tuple[HostHarness, HostHarness]]:
     """The two hosts; on the way out every job of ``jobs`` still running is killed, then the hosts go."""
+    with _hosts(home, jobs, spare=False) as hs:
+        yield hs[0], hs[1]
+
+
+@contextmanager
+def three_hosts(home: Path, jobs: tuple[str, ...]) -> Iterator[tuple[HostHarness, HostHarness, HostHarness]]:
+    """The two hosts and a third, C (a spare), linked to host A (SPARE_LINK, routed: C reaches host A's
+    UNDERLAY address, where the tests' coordinator listens, through it)."""
+    with _hosts(home, jobs, spare=True) as hs:
+        yield hs[0], hs[1], hs[2]
+
+
+@contextmanager
+def _hosts(home: Path, jobs: tuple[str, ...], spare: bool) -> Iterator[list[HostHarness]]:
     holders: list[subprocess.Popen[bytes]] = []
     harnesses: list[HostHarness] = []
     try:
-        for _ in range(2):
+        for _ in range(3 if spare else 2):
             p = subprocess.Popen(["unshare", "--net", "--", "sleep", "3600"])
             holders.append(p)
             end = time.monotonic() + 5
@@ -69,12 +86,22 @@ def two_hosts(home: Path, jobs: tuple[str, ...]) -> Iterator[tuple[HostHarness, 
         a, b = Host(holders[0].pid), Host(holders[1].pid)
         a.ip("link", "add", "under0", "type", "veth", "peer", "name", "under1", "netns", str(holders[1].pid),
              what="the network between the simulated hosts")
-        for host, dev, addr in ((a, "under0", UNDERLAY[0]), (b, "under1", UNDERLAY[1])):
+        links = [(a, "under0", UNDERLAY[0]), (b, "under1", UNDERLAY[1])]
+        if spare:
+            c = Host(holders[2].pid)
+            a.ip("link", "add", "under2", "type", "veth", "peer", "name", "under3", "netns", str(holders[2].pid),
+                 what="the network between host A and the spare")
+            links += [(a, "under2", SPARE_LINK[0]), (c, "under3", SPARE_LINK[1])]
+        for host, dev, addr in links:
             host.run("ip", "addr", "add", f"{addr}/30", "dev", dev, what="underlay")
             host.run("ip", "link", "set", dev, "up", what="underlay")
             host.run("ip", "link", "set", "lo", "up", what="loopback")  # CRIU probes TCP repair on it
+        if spare:
+            c.run("ip", "route", "add", f"{UNDERLAY[0]}/32", "via", SPARE_LINK[0], what="the spare's route to A")
         harnesses = [HostHarness(home, holders[0].pid, UNDERLAY[1]), HostHarness(home, holders[1].pid, UNDERLAY[0])]
-        yield harnesses[0], harnesses[1]
+        if spare:
+            harnesses.append(HostHarness(home, holders[2].pid, SPARE_LINK[0]))
+        yield harnesses
     finally:
         for name in jobs:
             if harnesses and harnesses[0].job(name).exists() and harnesses[0].state(name) in ("running", "starting"):

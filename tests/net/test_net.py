@@ -207,6 +207,17 @@ def test_vxlan_overlay_links_sandboxes_on_two_hosts(ns: Namespaces) -> None:
     A.set_peers(n0, ["10.250.0.2"])
     assert A.overlay_peers(n0) == ["10.250.0.2"]
     assert talk(s0, n0.address, s1) == ("HELLO", n1.address)
+    # a live migration moves node 1 elsewhere: the overlay follows, and forgets the MAC it learned behind its old
+    # host (else frames to that MAC went on to the old address for minutes); back again, they talk at once
+    def learned_behind(dst: str) -> list[str]:
+        out = A.run("bridge", "-j", "fdb", "show", "dev", n0.vxlan, what="fdb")
+        return [e["mac"] for e in json.loads(out or "[]") if e.get("dst") == dst and e["mac"] != "00:00:00:00:00:00"]
+
+    assert learned_behind("10.250.0.2")
+    assert net_sandbox.move_peer(n0.to_json(), "10.250.0.2", "10.250.0.9", host=A) == ["10.250.0.9"]
+    assert A.overlay_peers(n0) == ["10.250.0.9"] and not learned_behind("10.250.0.2")
+    assert net_sandbox.move_peer(n0.to_json(), "10.250.0.9", "10.250.0.2", host=A) == ["10.250.0.2"]
+    assert talk(s0, n0.address, s1) == ("HELLO", n1.address)
     # teardown: the sandbox's end goes with it, then the bridge and the overlay
     A.detach(A.sandbox_veths(s0)[0][1] or "")
     net_sandbox.release(n0.to_json(), host=A)

@@ -117,3 +117,19 @@ def test_an_ended_record_is_not_an_ending_agent(job: JobDir) -> None:
     for state, pid, ending in (("suspended", gone_pid(), True), ("exited", gone_pid(), False), ("starting", 0, False)):
         record(job, pid, state, ending)
         assert not job.agent_ending(), state
+
+
+def test_a_migrations_restore_waits_for_a_running_holder(job: JobDir, init: subprocess.Popen[bytes]) -> None:
+    """A live migration's node restored where the job directory is shared with its old host: the old incarnation,
+    running, holds the lock until the coordinator ends it; ``wait_held`` waits for it, and only so long."""
+    record(job, init.pid)
+    with hold(job, 1.0):
+        start = time.monotonic()
+        fd = job.take_lock(wait_held=20)
+        assert 0.5 < time.monotonic() - start < 10
+        os.close(fd)
+    with hold(job, 30):
+        start = time.monotonic()
+        with pytest.raises(UsageError, match="already running"):
+            job.take_lock(wait_held=0.5)
+        assert 0.4 < time.monotonic() - start < 5

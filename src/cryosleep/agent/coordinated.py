@@ -50,6 +50,7 @@ from cryosleep.coordinator.protocol import (
     ImageRef,
     ident_hex,
     local_deadline,
+    net_board,
     targets_from_json,
     view_to_json,
 )
@@ -289,7 +290,8 @@ class CoordinatedNode:
             raise err from e
         return {"ranks": agent.spec.ranks, "gen": self.nccl.gen if self.nccl is not None else 0,
                 "facts": capture_snapshot.host_facts(self.cap.criu, agent.runtime),
-                "net": bool(agent.spec.net)}  # a job network to hold while the nodes are dumped
+                "net": bool(agent.spec.net),  # a job network to hold while the nodes are dumped
+                "learns": agent.learns_peers()}  # its overlay's peers follow the board: a migration needs to know
 
     def hold(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._hold, cmd)
@@ -360,6 +362,32 @@ class CoordinatedNode:
         if self.net_held:
             net_sandbox.hold(self.agent.state.init_pid, False)
             self.net_held = False
+
+    def net_peers(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._net_peers, cmd)
+
+    def _net_peers(self, cmd: Command) -> dict[str, Any]:
+        """(a migration's staying node, held) the overlay sends to the moved node's new host, not its old one."""
+        self._current(cmd)
+        if not self.agent.spec.net:
+            return {"peers": []}
+        old, new = str(cmd.args.get("old") or ""), str(cmd.args.get("new") or "")
+        peers = net_sandbox.move_peer(self.agent.spec.net, old, new)
+        self.log(f"job network: overlay peers {', '.join(peers) or 'none'} (node(s) {cmd.args.get('nodes')} moved "
+                 f"from {old or 'this host'} to {new or 'this host'})")
+        return {"peers": peers}
+
+    def finish(self, cmd: Command) -> dict[str, Any]:
+        return self._serial(self._finish, cmd)
+
+    def _finish(self, cmd: Command) -> dict[str, Any]:
+        """(a migration's staying node, running again) the snapshot is over here: the staging begun at prepare goes."""
+        if self.done.get(cmd.snapshot) == "migrated":
+            return {}
+        cap = self._current(cmd)
+        problems = cap.undo_capture()
+        self._end("migrated")
+        return {"problems": problems}
 
     def capture(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._capture, cmd)
@@ -547,8 +575,9 @@ class RestoreRendezvous:
     wait's own deadline."""
 
     def __init__(self, client: CoordinatorClient, sid: str, node_rank: int, nnodes: int, timeout: float,
-                 log: Callable[[str], None] | None = None, underlay: str = "") -> None:
+                 log: Callable[[str], None] | None = None, underlay: str = "", migrating: bool = False) -> None:
         self.client = client
+        self.migrating = migrating  # a live migration's node: the coordinator speaks for the other nodes
         self.sid = sid
         self.node_rank = node_rank
         self.nnodes = nnodes
@@ -589,6 +618,12 @@ class RestoreRendezvous:
         """This node's restore has begun: it replaces whatever an earlier attempt of this node left (a failure
         there would otherwise stop the others once it stayed unanswered for READY_FRESH_S)."""
         self._post(self._entry(None, [], 0), "this node is restoring")
+
+    def checked(self) -> None:
+        """This node's checks passed: a live migration's coordinator then ends the node's old self (plain: no word)."""
+        if self.migrating:
+            self._board(time.monotonic() + BOARD_RETRY_FOR_S,
+                        {f"checked/{self.node_rank}": {"token": self.token, "host": socket.gethostname()}})
 
     def failed(self, problems: list[str]) -> None:
         """This node's restore failed. Before the barrier, every other node is told before it starts anything;
@@ -683,11 +718,6 @@ class RestoreRendezvous:
             if missing and len(items) >= len(uids) + len(need):
                 time.sleep(0.2)  # other nodes' ids filled the count, not ours: do not spin on the board
         return got
-
-
-def net_board(run_id: str) -> str:
-    """The coordinator's board where the nodes of one multi-node run post their underlay addresses."""
-    return f"net-{run_id}"
 
 
 class NetPeers:

@@ -43,6 +43,9 @@ class NodeAgent(Protocol):
 
     def job_alive(self) -> bool: ...
 
+    def learns_peers(self) -> bool:
+        """The job network's overlay peers follow the coordinator's board (coordinated.NetPeers)."""
+
     def save_state(self) -> None:
         """Write the job's record (its state) to the job directory."""
 

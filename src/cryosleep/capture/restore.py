@@ -70,6 +70,7 @@ class Meeting(Protocol):
     peers: list[str]  # the other nodes' underlay addresses, once the barrier passed
 
     def announce(self) -> None: ...
+    def checked(self) -> None: ...
     def barrier(self, gen: int) -> None: ...
     def failed(self, problems: list[str]) -> None: ...
     def generation(self) -> int: ...
@@ -106,6 +107,9 @@ class Request:
     """The job network's overlay peers (other hosts' addresses); default: those the barrier learned."""
     meeting: Meeting | None = None
     """One node of a multi-node restore: the others, met at the coordinator."""
+    lock_wait_s: float = 0.0
+    """A live migration's node: the job's lock, held here by the node's previous incarnation where the job's
+    directory is shared, is waited for this long (its coordinator ends that one once the checks passed)."""
     lock_fd: int = -1
     """The job's lock, when the caller holds it already (a launch that chose to resume); else the lock phase
     takes it, and a failure lets it go."""
@@ -272,15 +276,22 @@ class RestoreRun:
         if problems:
             raise NotEligible(f"snapshot {self.manifest.id} cannot be restored on this machine", "; ".join(problems),
                               "restore it on a compatible machine, or fix what is listed", problems=problems)
+        if self.req.meeting is not None:  # a live migration waits for this word before it ends the node's old self
+            self.req.meeting.checked()
 
     def _lock(self) -> None:
         assert self.criu is not None
         if self.lock_fd < 0:
             def say() -> None:
-                self.log(f"job {self.job.name}'s previous agent is still ending: waiting up to "
+                if self.req.lock_wait_s:
+                    self.log(f"job {self.job.name}'s previous incarnation holds its lock here (a live migration: "
+                             f"its coordinator ends it now): waiting up to {self.req.lock_wait_s:g} s")
+                else:
+                    self.log(f"job {self.job.name}'s previous agent is still ending: waiting up to "
                              f"{ENDING_WAIT_S:g} s")
 
-            fd = self.lock_fd = self.job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say)
+            fd = self.lock_fd = self.job.take_lock(wait_ending=ENDING_WAIT_S, on_wait=say,
+                                                   wait_held=self.req.lock_wait_s)
             self.undo.push("let go of the job's lock", lambda _e: os.close(fd))
         netlock.undo_dead_dump(self.job, self.log)
         for r in self.spec.ranks:  # a later run's error reports: never read as the restored job's

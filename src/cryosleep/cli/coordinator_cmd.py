@@ -286,14 +286,15 @@ def cmd_drain(a: argparse.Namespace) -> int:
     if not a.json:
         sys.stderr.write(f"cryosleep: draining host {a.host}: every job with a node there is moved\n")
     out = _client(a).drain(a.host, a.deadline)
-    failed = any(j["outcome"] != "queued" for j in out["jobs"])
+    failed = any(j["outcome"] not in ("queued", "migrated") for j in out["jobs"])
     if a.json:
         emit_json(out)
         return 1 if failed else 0
     print(f"host {a.host}: drained; {len(out['jobs'])} job(s) had a node there")
     for j in out["jobs"]:
         print(f"  job {j['job']} (node(s) {', '.join(map(str, j['nodes']))}): {j['action']}: {j['outcome']}"
-              + (f", snapshot {j['snapshot']}, queue entry {j['entry']}" if j["entry"] else ""))
+              + (f", snapshot {j['snapshot']}, queue entry {j['entry']}" if j["entry"] else "")
+              + (f", migration {j['migration']}" if j.get("migration") else ""))
         for r in j["reasons"]:
             print(f"    - {r}")
         if j.get("error"):

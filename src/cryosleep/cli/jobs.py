@@ -372,16 +372,18 @@ def fetch(run: RestoreRun, a: argparse.Namespace) -> Manifest:
     return manifest
 
 
-def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str, str], int]:
+def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str, str], int, bool]:
     """``restore SNAPSHOT --node-rank I``: node I's image of a coordinator's snapshot (its reference, and where it
-    is: the remote store it persisted to, else the local store it was committed to), and the coordinator."""
+    is: the remote store it persisted to, else the local store it was committed to), the coordinator, the
+    snapshot's node count, and whether it is a live migration's (the other nodes run on: only this one moves)."""
     url, token = coord_client.resolve(a.coordinator, a.token_file)
     client = coord_client.CoordinatorClient(url, token)
     try:
         row = client.snapshot_detail(a.snapshot)
     finally:
         client.close()
-    if row.get("state") != "verified":
+    migrating = row.get("mode") == "migrate" and row.get("state") == "migrating"  # coordinator/migrate.py
+    if row.get("state") != "verified" and not migrating:
         raise NotEligible(f"snapshot {a.snapshot} cannot be restored", f"it is {row.get('state')}, not verified"
                           + (f" ({row['reason']})" if row.get("reason") else ""),
                           f"list the valid ones: `cryosleep coordinator snapshots {row.get('job', '')} --valid`")
@@ -396,16 +398,16 @@ def node_image(a: argparse.Namespace) -> tuple[str, str | Path | None, tuple[str
         local = Path(str(image.get("store") or paths.default_store()))
         here = (LocalStore(local).snapshots / str(image["ref"])).is_dir()
         where = image.get("remote") if image.get("remote") and not here else local
-    return str(image["ref"]), where, (url, token), len(row.get("nodes") or ())
+    return str(image["ref"]), where, (url, token), len(row.get("nodes") or ()), migrating
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
     if a.nodes is not None:
         return place_snapshot(a)
     require_root("restoring a snapshot", privileges.RESTORE)
-    ref, where, coordinator, nnodes = a.snapshot, a.store, None, 1
+    ref, where, coordinator, nnodes, migrating = a.snapshot, a.store, None, 1, False
     if a.node_rank is not None:
-        ref, where, coordinator, nnodes = node_image(a)
+        ref, where, coordinator, nnodes, migrating = node_image(a)
     elif a.coordinator is not None:
         raise UsageError("--coordinator without --node-rank", "which node of the job's snapshot to restore here?",
                          "add --node-rank I")
@@ -421,10 +423,11 @@ def cmd_restore(a: argparse.Namespace) -> int:
         if not a.net_peers:  # and learns there where they are, for the job network's overlay
             underlay = underlay_towards(coordinator[0])
         meeting = RestoreRendezvous(CoordinatorClient(*coordinator), a.snapshot, a.node_rank, nnodes, a.timeout,
-                                    underlay=underlay)
+                                    underlay=underlay, migrating=migrating)
     printer = PhasePrinter(not a.json and not a.detach)
     run = RestoreRun(Request(ref=ref, where=where, key_file=a.key_file, trust=trust_of(a), timeout=a.timeout,
-                             gpu_map=gpu_map, net_peers=_peers(a.net_peers), meeting=meeting, progress=printer))
+                             gpu_map=gpu_map, net_peers=_peers(a.net_peers), meeting=meeting, progress=printer,
+                             lock_wait_s=a.timeout if migrating else 0.0))
     manifest = fetch(run, a)
     fetched = run.fetched
     job = JobDir(manifest.job_name)

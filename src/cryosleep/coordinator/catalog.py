@@ -11,6 +11,8 @@ Snapshot states::
 
     preparing -> draining -> quiescing -> capturing -> resuming -> persisting -> verified    (keep-running)
     preparing -> draining -> quiescing -> capturing -> persisting -> stopping -> verified    (stop)
+    preparing -> draining -> quiescing -> capturing -> persisting -> migrating -> migrated     (migrate: one
+                                                  node moved to a spare, coordinator/migrate.py; never valid)
     any state before the point of no return -> rolling-back -> failed
     any unfinished state when the coordinator starts -> aborted (never listed valid; ``finished_at`` is set
     once every node has been rolled back, so that a coordinator dying again still finishes the recovery)
@@ -35,7 +37,7 @@ from cryosleep.coordinator.engine import Engine, open_engine
 from cryosleep.errors import CryosleepError, NotFound, UsageError
 
 SCHEMA_VERSION = 4
-FINAL = ("verified", "failed", "aborted")
+FINAL = ("verified", "failed", "aborted", "migrated")
 
 _SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -341,8 +343,8 @@ class Catalog:
         again during the recovery), or stop snapshots past their point of no return whose nodes may not have been
         told to stop."""
         with self.lock:
-            rows = self.db.execute("SELECT id FROM snapshots WHERE state NOT IN ('verified', 'failed', 'aborted') "
-                                   "OR finished_at IS NULL").fetchall()
+            rows = self.db.execute("SELECT id FROM snapshots WHERE state NOT IN ('verified', 'failed', 'aborted', "
+                                   "'migrated') OR finished_at IS NULL").fetchall()
         return [self.snapshot(str(r["id"])) for r in rows]
 
     # ---- events --------------------------------------------------------------------------------------------

@@ -249,8 +249,9 @@ class CoordinatorClient:
     def drain(self, host: str, deadline_s: float | None = None) -> dict[str, Any]:
         """Every job with a node on ``host`` moved off it (coordinator/drain.py); waits for the decisions' outcome."""
         body: dict[str, Any] = {} if deadline_s is None else {"deadline_s": deadline_s}
+        # a migration (its phases past the point of no return bounded on their own), then maybe its fallback's stop
         return self.http.call("POST", f"/v1/hosts/{quote(host, safe='')}/drain", body,
-                              timeout=(deadline_s or 600.0) + 300.0)
+                              timeout=(deadline_s or 600.0) * 3 + 300.0)
 
     def undrain(self, host: str) -> dict[str, Any]:
         return self.http.call("POST", f"/v1/hosts/{quote(host, safe='')}/undrain", {})
@@ -302,6 +303,8 @@ class NodeBackend(Protocol):
     def stop(self, cmd: Command) -> dict[str, Any]: ...
     def abort(self, cmd: Command) -> dict[str, Any]: ...
     def end(self, cmd: Command) -> dict[str, Any]: ...
+    def net_peers(self, cmd: Command) -> dict[str, Any]: ...
+    def finish(self, cmd: Command) -> dict[str, Any]: ...
 
     def watch(self) -> None:
         """Called after every poll, answered or not (a node may act on its own when its coordinator is gone)."""

@@ -18,8 +18,9 @@ from cryosleep.coordinator.catalog import FINAL, Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.machine import MachineConfig, RecoveryRun, SnapshotRun, new_snapshot_id
 from cryosleep.coordinator.metrics import CoordinatorMetrics
+from cryosleep.coordinator.migrate import MigrateRun
 from cryosleep.coordinator.placement import Order, Placements
-from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result
+from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Mode, Result, net_board
 from cryosleep.coordinator.queue import Entry, RestoreQueue
 from cryosleep.coordinator.rendezvous import Board
 from cryosleep.coordinator.shared import SharedStore
@@ -247,7 +248,9 @@ class Coordinator:
         try:
             m = Mode(mode)
         except ValueError:
-            raise UsageError(f"unknown snapshot mode {mode!r}", "modes: keep-running, stop", "") from None
+            m = None
+        if m is None or m is Mode.MIGRATE:  # a migration is a drain's (coordinator drain HOST), not a trigger's
+            raise UsageError(f"unknown snapshot mode {mode!r}", "modes: keep-running, stop", "")
         timeout = float(timeout_s or self.cfg.default_timeout_s)
         if request_id:  # a retried request: the same snapshot, not a second one
             seen = self.catalog.by_request(job, request_id)
@@ -359,7 +362,8 @@ class Coordinator:
 
     def drain(self, host: str, deadline_s: float | None = None) -> dict[str, Any]:
         """Every job with a node on ``host`` moved off it (coordinator/drain.py); the host takes no node from now
-        on. Returns once every job's stop snapshot ended (queued) or failed (the job still runs there)."""
+        on. Returns once every job's migration or stop snapshot ended (migrated, queued) or failed (the job still
+        runs there)."""
         if not host or "/" in host:
             raise UsageError(f"invalid host name {host!r}", "a host's name is one path segment", "")
         deadline = float(deadline_s or self.cfg.default_timeout_s)
@@ -385,17 +389,27 @@ class Coordinator:
                 spare, no_spare = [], e.why
             d = drain_rules.decide(job, host, nodes, int(row["nnodes"]), spare, no_spare)
             decisions.append(d)
-            try:
-                s = self.trigger(job, "stop", deadline, request_id=f"drain-{host}-{time.time():.0f}")
-                d.snapshot = str(s["id"])
-            except CryosleepError as e:
-                d.outcome, d.error = "failed", e.to_json()
-            # shown with the snapshot's events too (`coordinator show SNAPSHOT`)
-            self.catalog.event("drain", f"host {host}: {d.action}: " + "; ".join(d.reasons), job=job,
-                               snapshot=d.snapshot or None)
-            self.log(f"drain: host {host}: job {job}: {d.action}: " + "; ".join(d.reasons))
+            busy.update(dict.fromkeys(d.spare, f"taken by the migration of job {job}"))
+            self._drain_step(d, deadline)
         for d in decisions:
-            if not d.snapshot:
+            if d.action == drain_rules.MIGRATE:
+                # its own phases past the point of no return have a bound of their own (migrate.py)
+                row = self.wait_snapshot(d.migration, 2 * deadline + self.cfg.rollback_s * 3)
+                if row["state"] == "migrated":
+                    d.outcome = "migrated"
+                    self._drain_said(d, f"host {host}: job {d.job}: migrated (snapshot {d.migration}: "
+                                     + ", ".join(f"node {n} now on {h}" for n, h in zip(d.nodes, d.spare, strict=True))
+                                     + ")")
+                    continue
+                err = row.get("error") or {"what": f"the migration {d.migration} is {row['state']}"}
+                if self.catalog.job(d.job)["state"] != "running":  # past its point of no return: nothing to save
+                    d.outcome, d.error = "failed", err
+                    self._drain_said(d, f"host {host}: job {d.job}: failed: {err.get('what')}")
+                    continue
+                drain_rules.fall_back(d, str(err.get("what")) + (f": {err['why']}" if err.get("why") else ""))
+                self._drain_step(d, deadline)
+        for d in decisions:
+            if not d.snapshot or d.outcome != "pending":
                 continue
             row = self.wait_snapshot(d.snapshot, deadline + self.cfg.rollback_s * 2)
             if row["state"] == "verified":
@@ -406,11 +420,61 @@ class Coordinator:
                 d.error = row.get("error") or {"what": f"the stop snapshot {d.snapshot} is {row['state']}"}
                 d.error = {**d.error, "hint": f"the job still runs on {host} (a failed snapshot leaves it running): "
                            f"drain again, or end it"}
-            msg = f"host {host}: job {d.job}: {d.outcome}" + (f" (snapshot {d.snapshot}, queue entry {d.entry})"
-                                                               if d.entry else f": {(d.error or {}).get('what')}")
-            self.catalog.event("drain", msg, job=d.job, snapshot=d.snapshot or None)
-            self.log(f"drain: {msg}")
+            self._drain_said(d, f"host {host}: job {d.job}: {d.outcome}" + (
+                f" (snapshot {d.snapshot}, queue entry {d.entry})" if d.entry else f": {(d.error or {}).get('what')}"))
         return {"host": host, "drained": True, "deadline_s": deadline, "jobs": [d.to_json() for d in decisions]}
+
+    def _drain_said(self, d: drain_rules.Decision, msg: str) -> None:
+        self.catalog.event("drain", msg, job=d.job, snapshot=(d.snapshot or d.migration) or None)
+        self.log(f"drain: {msg}")
+
+    def _drain_step(self, d: drain_rules.Decision, deadline: float) -> None:
+        """The decision carried out (its migration, or its stop snapshot, started) and logged with its reasons."""
+        try:
+            if d.action == drain_rules.MIGRATE:
+                d.migration = self.migrate(d.job, d.nodes, d.spare, deadline)
+            else:
+                d.snapshot = str(self.trigger(d.job, "stop", deadline,
+                                              request_id=f"drain-{d.host}-{time.time():.0f}")["id"])
+        except CryosleepError as e:
+            if d.action == drain_rules.MIGRATE:  # not started: the job runs where it was
+                drain_rules.fall_back(d, f"{e.what}: {e.why}" if e.why else e.what)
+                self._drain_said(d, f"host {d.host}: job {d.job}: migrate: " + "; ".join(d.reasons))
+                self._drain_step(d, deadline)
+                return
+            d.outcome, d.error = "failed", e.to_json()
+        # shown with the snapshot's events too (`coordinator show SNAPSHOT`)
+        self._drain_said(d, f"host {d.host}: job {d.job}: {d.action}: " + "; ".join(d.reasons))
+
+    def migrate(self, job: str, moving: list[int], spare: list[str], timeout_s: float) -> str:
+        """Nodes ``moving`` of ``job`` moved onto hosts ``spare`` while the others hold (coordinator/migrate.py);
+        returns the migration's snapshot id (it runs on, in the background)."""
+        status = self.job_status(job)
+        with self.lock:
+            busy = self.active.get(job)
+            if busy is not None:
+                raise Busy(f"a snapshot of job {job!r} is already in progress", f"snapshot {busy.sid}",
+                           "wait for it to finish, then drain again")
+            nodes = {int(n["node_rank"]): str(n["agent"]) for n in status["nodes"]}
+            down = [n["node_rank"] for n in status["nodes"] if not n["alive"]]
+            if len(nodes) < status["nnodes"] or down or status["state"] != "running":
+                raise NotEligible(f"job {job!r} cannot be migrated now", f"it is {status['state']}" + (
+                    f" (node(s) {down} not answering)" if down else ""), "start its missing node agents")
+            hosts = {int(n["node_rank"]): str(a) for n in status["nodes"]
+                     for a in [self.host_of(self.catalog.agent(str(n["agent"])) or {"hostname": n["hostname"]})]}
+            run_id = str((status["spec"] or {}).get("run_id") or "")
+            sid = new_snapshot_id(job)
+            incs = {a: self.hub.incarnation(a) or "" for a in nodes.values()}
+            self.catalog.create_snapshot(sid, job, str(Mode.MIGRATE), timeout_s, None, nodes, incs)
+            run = MigrateRun(self.catalog, self.hub, self.board, self.placements, sid=sid, job=job,
+                             timeout_s=timeout_s, nodes=nodes, incarnations=incs, moving=moving, spare=spare,
+                             hosts=hosts, net_board=net_board(run_id) if run_id else "", cfg=self.machine_cfg,
+                             log=self.log, metrics=self.metrics)
+            self.active[job] = run
+        self.catalog.event("trigger", f"migration of node(s) {moving} to {spare} (timeout {timeout_s:g} s)", job=job,
+                           snapshot=sid)
+        self._spawn(f"migrate-{sid}", lambda: self._finish(job, run, run.run))
+        return sid
 
     def undrain(self, host: str) -> dict[str, Any]:
         was = self.placements.undrain(host)

@@ -67,7 +67,7 @@ HOLD_GRACE_S = 5.0  # the interceptors release a HOLD this long after the snapsh
 PHASE_OF = {Op.PREPARE: "prepare", Op.HOLD: "drain", Op.REPORT: "drain", Op.TARGETS: "drain",
             Op.QUIESCE: "quiesce", Op.NET_HOLD: "capture", Op.CAPTURE: "capture", Op.NET_RELEASE: "capture",
             Op.RESUME: "resume", Op.RELAY: "resume", Op.RUN: "resume", Op.PERSIST: "persist", Op.STOP: "stop",
-            Op.ABORT: "rollback", Op.END: "rollback"}
+            Op.ABORT: "rollback", Op.END: "rollback", Op.NET_PEERS: "move", Op.FINISH: "resume"}
 
 
 @dataclass

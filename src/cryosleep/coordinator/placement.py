@@ -303,6 +303,28 @@ class Placements:
             self.cond.notify_all()
             return self._status(pid)
 
+    def place_node(self, sid: str, node_rank: int, host: str, peers: list[str], timeout_s: float) -> str:
+        """One node of a live migration (coordinator/migrate.py) on ``host``, which ``pick`` found free: one order,
+        in a placement of its own, whose id is returned. ``peers``: the overlay peers its restore is given (none:
+        it learns them at its barrier, as the job's other nodes learn theirs)."""
+        with self.cond:
+            if host in self.drained:
+                raise NotEligible(f"host {host!r} cannot take node {node_rank} of {sid}",
+                                  f"it is drained ({self.drained[host]})", f"`cryosleep coordinator undrain {host}`")
+            pid = "pl-" + secrets.token_hex(6)
+            o = Order("or-" + secrets.token_hex(6), pid, host, sid, node_rank, list(peers), timeout_s)
+            self.orders[o.id] = o
+            self.placements[pid] = [o.id]
+            self._write(o)
+            self.cond.notify_all()
+            return pid
+
+    def underlay(self, host: str) -> str:
+        """The underlay address a host daemon reported ("" when it never polled, or reported none)."""
+        with self.cond:
+            h = self.hosts.get(host)
+            return str(h.facts.get("underlay") or "") if h is not None else ""
+
     def status(self, pid: str, wait_s: float = 0.0, seen: str = "") -> dict[str, Any]:
         """A placement's orders; with ``wait_s``, waits until they change from ``seen`` (a status's ``version``)
         or are all final."""

@@ -85,11 +85,20 @@ class Op(enum.StrEnum):
     STOP = "stop"
     ABORT = "abort"
     END = "end"
+    NET_PEERS = "net_peers"  # a migration (coordinator/migrate.py): a staying node's overlay follows the moved one
+    FINISH = "finish"  # a migration's staying node: the snapshot is over there, nothing captured
+
+
+def net_board(run_id: str) -> str:
+    """The coordinator's board where the nodes of one multi-node run post their underlay addresses (the agents'
+    NetPeers; a migration writes a moved node's new address there)."""
+    return f"net-{run_id}"
 
 
 class Mode(enum.StrEnum):
     KEEP_RUNNING = "keep-running"
     STOP = "stop"
+    MIGRATE = "migrate"  # the coordinator's only: its nodes are told stop (moving) or keep-running (staying)
 
 
 @dataclass(frozen=True)

@@ -302,13 +302,18 @@ class JobDir:
             return False
         return st.ending_since is not None or (st.init_pid > 0 and not proctree.alive(st.init_pid))
 
-    def take_lock(self, wait_ending: float = 0.0, on_wait: Callable[[], None] | None = None) -> int:
+    def take_lock(self, wait_ending: float = 0.0, on_wait: Callable[[], None] | None = None,
+                  wait_held: float = 0.0) -> int:
         """Lock the job for this agent; the fd stays open (CLOEXEC) for the agent's life. An agent that holds it
         while it ends (``agent_ending``: a restore right after a stop snapshot meets it) is waited for up to
         ``wait_ending`` seconds (``on_wait`` is called once as that wait begins); one whose job runs is refused
         at once. The lock taken is always the file at the job's path: one that `cryosleep jobs rm` moved away with
-        its directory between our open and our flock is let go, and the path's taken (agent/records.py)."""
-        end = time.monotonic() + wait_ending
+        its directory between our open and our flock is let go, and the path's taken (agent/records.py).
+        ``wait_held``: any holder, ending or not, is waited for this long (a live migration's node, restored where
+        its previous incarnation's job directory is shared: the coordinator ends that one once this restore's
+        checks passed)."""
+        end = time.monotonic() + max(wait_ending, wait_held)
+        held_end = time.monotonic() + wait_held
         waited = False
         while True:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -328,7 +333,7 @@ class JobDir:
                 if moved:
                     continue
                 ending = self.agent_ending()
-                if ending and time.monotonic() < end:
+                if (ending or time.monotonic() < held_end) and time.monotonic() < end:
                     if not waited and on_wait is not None:
                         on_wait()
                     waited = True

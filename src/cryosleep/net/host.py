@@ -251,6 +251,15 @@ class Host:
         for p in sorted(have - want):
             self.run("bridge", "fdb", "del", ZERO_MAC, "dev", net.vxlan, "dst", p,
                      what=f"cannot remove the overlay peer {p} from {net.vxlan}", ok_if=("No such file",))
+        if have - want:
+            # what the VXLAN learned to send straight to a dropped peer (a node's MAC, behind its old host) would
+            # still go there, for minutes, after that node moved (a migration): forgotten, it floods to the peers
+            out = self.run("bridge", "-j", "fdb", "show", "dev", net.vxlan, what=f"cannot read the FDB of {net.vxlan}")
+            for e in json.loads(out or "[]"):
+                if e.get("dst") in have - want and e.get("mac") and e.get("mac") != ZERO_MAC:
+                    self.run("bridge", "fdb", "del", str(e["mac"]), "dev", net.vxlan, "dst", str(e["dst"]),
+                             what=f"cannot forget {e['mac']} behind {e['dst']} on {net.vxlan}",
+                             ok_if=("No such file",))
 
 
 def gateway_table(net: JobNet) -> str:

@@ -3,6 +3,7 @@ restored one (CRIU then recreates the veth itself), and release the host's part 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,8 @@ from cryosleep.errors import NetError
 from cryosleep.net.host import Host
 from cryosleep.net.plan import JobNet, host_end_name
 
-__all__ = ["after_restore", "attach", "hold", "prepare", "prepare_restore", "release", "set_peers", "undo_restore"]
+__all__ = ["after_restore", "attach", "hold", "move_peer", "prepare", "prepare_restore", "release", "set_peers",
+           "undo_restore"]
 
 
 def prepare(net: JobNet, peers: Sequence[str] = (), host: Host | None = None) -> None:
@@ -28,6 +30,29 @@ def set_peers(net_json: dict[str, Any], peers: Sequence[str], host: Host | None 
     net = JobNet.from_json(net_json)
     if peers or host.link(net.vxlan) is not None:
         host.ensure_overlay(net, peers)
+
+
+def move_peer(net_json: dict[str, Any], old: str, new: str, host: Host | None = None) -> list[str]:
+    """A node of the job moved from the host at ``old`` to the one at ``new`` (a live migration): the overlay here
+    floods to ``new`` instead of ``old`` (either "": none, as when it is this host), and what it learned to send
+    ``old`` directly is forgotten (``Host.set_peers``). Returns the peers now."""
+    host = host or Host()
+    net = JobNet.from_json(net_json)
+    for attempt in range(3):
+        try:
+            have = set(host.overlay_peers(net)) if host.link(net.vxlan) is not None else set()
+            peers = sorted(((have - {old}) | {new}) - {""})
+            if peers or have:
+                host.ensure_overlay(net, peers)
+            return peers
+        except NetError:
+            # the node's agent may be making the same change from the run's peer board (coordinated.NetPeers: the
+            # coordinator wrote the new address there first): an entry appended or deleted meanwhile fails one
+            # step of ours; a second look finds it done
+            if attempt == 2:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 def attach(net_json: dict[str, Any], sandbox_pid: int, peers: Sequence[str] = (), host: Host | None = None) -> str:
