@@ -218,8 +218,12 @@ def test_the_gpu_and_outbound_sections_are_typed_and_old_manifests_still_verify(
     half_gpu = {"driver": 12080}
     half_outbound = {k: v for k, v in node["outbound"].items() if k != "kept"}
     bad_conn = {**node["outbound"], "reset": [{**node["outbound"]["reset"][0], "queued": "0"}]}
+    bad_policy = {**node["outbound"], "policy": {**node["outbound"]["policy"], "drain_s": "2"}}
+    fast = data["manifests"][4]["manifest"]["nodes"][0]["gpu"]["fast_path"]
+    bad_plan = {**fast, "ranks": {"0": {**fast["ranks"]["0"], "plan": {"moved_bytes": "6 MiB"}}}}
     for bad in ({"gpu": half_gpu}, {"gpu": {"gpus": [{"index": 0}]}}, {"gpu": {"fast_path": {"ranks": {}}}},
                 {"gpu": {"fast_path": {"ranks": {"0": {"stage_path": 1}}, "plain": {}}}},
-                {"outbound": half_outbound}, {"outbound": bad_conn}, {"outbound": []}):
+                {"gpu": {"fast_path": bad_plan}}, {"outbound": half_outbound}, {"outbound": bad_conn},
+                {"outbound": bad_policy}, {"outbound": []}):
         with pytest.raises(ManifestError):
             Manifest.from_json({**doc, "nodes": [{**node, **bad}]})

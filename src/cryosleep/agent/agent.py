@@ -20,6 +20,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -194,7 +196,7 @@ def take_job_lock(job: JobDir, log: Any) -> int:
 
 class Triggers(Protocol):
     """What the agent runs beside its job to turn signals, notices and schedules into snapshots
-    (``cryosleep.triggers.runner.TriggerRunner``; the CLI attaches one as ``Agent.triggers``)."""
+    (``cryosleep.triggers.runner.TriggerRunner``; the CLI gives one as ``AgentConfig.triggers``)."""
 
     def start(self) -> None:
         """Called by :meth:`Agent.serve` once the job runs."""
@@ -210,21 +212,49 @@ class Triggers(Protocol):
         """``--grace``: a SIGTERM starts a stop snapshot due within this many seconds (None: SIGTERM ends the job)."""
 
 
+def learns_peers(spec: JobSpec, net_peers: tuple[str, ...], coordinator: tuple[str, str] | None) -> bool:
+    """A multi-node job on the job network with a coordinator and no --net-peers: the overlay's peers are
+    learned from the coordinator (coordinated.NetPeers)."""
+    return bool(spec.net) and spec.nnodes > 1 and not net_peers and coordinator is not None
+
+
+@dataclass
+class AgentConfig:
+    """What a node agent is started with (``cryosleep run`` and ``restore`` build one from their arguments)."""
+
+    job: JobDir
+    spec: JobSpec
+    out: TextIO | None
+    """Where the job's console goes (None: nowhere, a detached agent)."""
+    lock_fd: int = -1
+    """The job's lock, when the launcher took it (a one-node run decides under it whether to resume)."""
+    claim: resume.Claim | None = None
+    """The job's record in its remote store, when the launcher read it (agent/resume.py)."""
+    coordinator: tuple[str, str] | None = None
+    """(multi-node jobs) the coordinator's URL and token: it runs every snapshot of the job, on all nodes."""
+    net_peers: tuple[str, ...] = ()
+    """The job network's overlay peers (other hosts' addresses), if it spans hosts (``--net-peers``)."""
+    underlay: str = ""
+    """This host's address for them, when they are learned from the coordinator (:func:`learns_peers`)."""
+    triggers: Callable[[Agent], Triggers] | None = None
+    """What runs beside the job (signals, notices, schedules, metrics), made for the agent as it is built."""
+
+
 class Agent:
-    net_peers: tuple[str, ...] = ()  # the job network's overlay peers (other hosts' addresses), if it spans hosts
     barrier_peers: tuple[str, ...] = ()  # those a multi-node restore learned at its barrier
 
-    def __init__(self, job: JobDir, spec: JobSpec, *, out: TextIO | None) -> None:
-        self.job = job
-        self.spec = spec
-        self.out = out
+    def __init__(self, config: AgentConfig) -> None:
+        self.job = config.job
+        self.spec = config.spec
+        self.out = config.out
+        self.net_peers = config.net_peers
         self.state = JobState(agent_pid=os.getpid())
         # the agent (and its watchdog, and CRIU, which inherit it) out of the OOM killer's way; the job's workers
         # get back the value the agent was started with (a restored job's, their own: CRIU restores it)
         self.job_oom_score_adj = oom.protect()
         self.runtime: dict[str, Any] = {}
-        self.lock_fd = -1
-        self.claim: resume.Claim | None = None  # the job's record in its remote store (agent/resume.py)
+        self.lock_fd = config.lock_fd
+        self.claim = config.claim
         self.recorded: tuple[str, str | None] = ("", None)
         self.snap_lock = threading.Lock()
         self.state_lock = threading.Lock()
@@ -237,26 +267,22 @@ class Agent:
         self.restore_phases: dict[str, float] = {}
         self.restore_streamed: dict[str, float] = {}  # the image's pages checked as CRIU read them: bytes, seconds
         self.persister: store_persist.Persister | None = None  # uploads to the job's remote store, if any
-        self.triggers: Triggers | None = None  # signals, notices, periodic snapshots, metrics (triggers/)
+        self.triggers: Triggers | None = None
         self.devmem_dirs: set[Path] = set()  # a restored job's fast-path staging directories
-        # (multi-node jobs) the coordinator's URL and token: it runs every snapshot of the job, on all nodes
-        self.coordinator: tuple[str, str] | None = None
+        self.coordinator = config.coordinator
         self.runner: AgentRunner | None = None
         self.watchdog: Watchdog | None = None
         self.exits: procwatch.JobExits | None = None  # the job's processes watched between snapshots (serve)
         self.ended_by: str | None = None  # why the coordinator ended the job, if it did
         self.net_watch: coordinated.NetPeers | None = None  # overlay peers learned from the coordinator
-        self.underlay = ""  # this host's address for them (where its route to the coordinator leaves from)
+        self.underlay = config.underlay
+        if config.triggers is not None:  # last: it may use all of the above (and binds its ports now)
+            self.triggers = config.triggers(self)
 
     def console_ranks(self) -> list[int]:
         """The ranks whose output the console shows (`cryosleep run --local-ranks-filter`: these local ranks)."""
         keep = set(self.spec.local_ranks_filter)
         return [r for i, r in enumerate(self.spec.ranks) if not keep or i in keep]
-
-    def learns_peers(self) -> bool:
-        """A multi-node job on the job network with a coordinator and no --net-peers: the overlay's peers are
-        learned from the coordinator (coordinated.NetPeers)."""
-        return bool(self.spec.net) and self.spec.nnodes > 1 and not self.net_peers and self.coordinator is not None
 
     def end_job(self, detail: str) -> None:
         """Ends the job's workers now (the coordinator's ``end``); the job is recorded failed with ``detail``."""
@@ -470,7 +496,7 @@ class Agent:
             resume.heartbeat(self.claim, lambda: self.recorded, self.log_line, self.end_job)
         if self.coordinator is not None:
             self.runner = coordinated.connect(self, *self.coordinator)
-        if self.learns_peers():
+        if learns_peers(self.spec, self.net_peers, self.coordinator):
             assert self.coordinator is not None
             net = self.spec.net
             self.net_watch = coordinated.NetPeers(

@@ -54,11 +54,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from cryosleep.capture.criu import action_script
 from cryosleep.core import proctree
-from cryosleep.core.job import JobSpec
+from cryosleep.core.job import JobSpec, OutboundPolicy
 from cryosleep.errors import UsageError
 from cryosleep.store.manifest import NodeOutbound, OutboundConn
 from cryosleep.timing import Phases
@@ -248,12 +248,12 @@ class Policy:
     def active(self) -> bool:
         return self.reset is None or bool(self.reset)
 
-    def to_json(self) -> dict[str, Any]:
-        reset: Any = "all" if self.reset is None else [str(d) for d in self.reset] or "none"
+    def to_json(self) -> OutboundPolicy:
+        reset: str | list[str] = "all" if self.reset is None else [str(d) for d in self.reset] or "none"
         return {"reset": reset, "keep": [str(d) for d in self.keep], "drain_s": self.drain_s}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any] | None) -> Policy:
+    def from_json(cls, data: OutboundPolicy | None) -> Policy:
         """From the job spec (empty or absent, as in snapshots older than this option: the default)."""
         data = data or {}
         reset = data.get("reset", "all")
@@ -390,12 +390,29 @@ def disconnect(pid: int, fd: int, inode: int) -> None:
         os.close(dup)
 
 
-def reset(init_pid: int, policy: Policy, nets: Sequence[Network], *, skip: Iterable[int] = ()) -> dict[str, Any]:
+class ResetReport(TypedDict, total=False):
+    """What a restore did about the connections outside the job (``outbound.json`` in its work directory)."""
+
+    reset: list[dict[str, Any]]
+    """Connections reset (``Verdict.to_json`` and the inode; ``late``: by the agent, after CRIU)."""
+    failed: list[dict[str, Any]]
+    """Connections that could not be reset, each with ``why``."""
+    kept: int
+    """Connections left as CRIU restored them."""
+    gone: list[dict[str, str]]
+    """Connections the snapshot recorded that were no longer there (their peer had reset them)."""
+    hook_problem: str | None
+    """Why the pre-resume script did not do it all (then the agent reset the rest late)."""
+    error: str
+    """(the script's report) why it failed."""
+
+
+def reset(init_pid: int, policy: Policy, nets: Sequence[Network], *, skip: Iterable[int] = ()) -> ResetReport:
     """Sort the restored tree's connections and reset those to reset (not those in ``skip``: inodes already
-    reset). Returns {"reset": [...], "failed": [...], "kept": N}; never raises for one connection."""
+    reset). Returns the reset, the failed and the number kept; never raises for one connection."""
     conns, held = job_connections(init_pid)
     done = set(skip)
-    report: dict[str, Any] = {"reset": [], "failed": [], "kept": 0}
+    report: ResetReport = {"reset": [], "failed": [], "kept": 0}
     for v in classify(conns, policy, own_ns=bool(proctree.other_ns(init_pid)), job_nets=nets):
         if not v.reset:
             report["kept"] += 1
@@ -459,11 +476,11 @@ class RestoreReset:
         env = {PLAN_ENV: str(self.plan_path), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         return _hook_script(), env
 
-    def finish(self, init_pid: int) -> dict[str, Any]:
+    def finish(self, init_pid: int) -> ResetReport:
         """After CRIU: the script's report, and a late reset of what it did not do (the job runs already).
         Never raises: a problem is told on stderr (what, why, what to do) and the restored job runs on."""
         try:
-            report: dict[str, Any] = json.loads(self.report_path.read_text())
+            report: ResetReport = json.loads(self.report_path.read_text())
             problem = report.get("error")
         except (OSError, ValueError) as e:
             report, problem = {"reset": [], "failed": []}, f"its pre-resume script left no report ({e})"

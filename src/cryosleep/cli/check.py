@@ -8,7 +8,7 @@ from typing import Any
 from cryosleep.capture import eligibility, netlock
 from cryosleep.cli.output import emit_json, table
 from cryosleep.core import privileges, proctree
-from cryosleep.core.interceptor import attach_published
+from cryosleep.core.interceptor import DevmemPlan, attach_published
 from cryosleep.core.job import JobDir, list_jobs
 
 
@@ -21,7 +21,7 @@ def add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_check(a: argparse.Namespace) -> int:
     checks = eligibility.system_checks() + _dead_dumps()
-    plans: dict[str, Any] = {}  # rank -> what its snapshot would take with the fast path
+    plans: dict[str, DevmemPlan] = {}  # rank -> what its snapshot would take with the fast path
     if a.job:
         job = JobDir(a.job)
         spec, st = job.read()
@@ -66,7 +66,7 @@ def _dead_dumps() -> list[eligibility.Check]:
     return out
 
 
-def _nccl(job: JobDir, ranks: list[int], init_pid: int, plans: dict[str, Any]) -> list[eligibility.Check]:
+def _nccl(job: JobDir, ranks: list[int], init_pid: int, plans: dict[str, DevmemPlan]) -> list[eligibility.Check]:
     pids = {p for p in (proctree.ns_pid(x) for x in proctree.tree(init_pid)) if p is not None}
     blocks = attach_published({r: job.ctl_path(r) for r in ranks}, pids)
     try:

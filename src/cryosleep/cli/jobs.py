@@ -13,7 +13,7 @@ from typing import Any
 
 from cryosleep import paths
 from cryosleep.agent import failures, resume
-from cryosleep.agent.agent import Agent, become_subreaper, take_job_lock
+from cryosleep.agent.agent import Agent, AgentConfig, become_subreaper, learns_peers, take_job_lock
 from cryosleep.agent.coordinated import RestoreRendezvous
 from cryosleep.capture import outbound
 from cryosleep.capture.restore import Request, RestoreRun
@@ -307,13 +307,12 @@ def cmd_run(a: argparse.Namespace) -> int:
             return _resume(a, spec, choice.snapshot, lock_fd, triggers, claim)
 
     def start(out: Any) -> Agent:
-        agent = Agent(job, spec, out=out)
-        agent.lock_fd, agent.claim = lock_fd, claim
-        agent.coordinator = coordinator
-        agent.net_peers = _peers(a.net_peers)
-        if agent.learns_peers() and coordinator is not None:  # the overlay's peers come from the coordinator
-            agent.underlay = underlay_towards(coordinator[0])
-        agent.triggers = TriggerRunner(agent, triggers)  # binds the metrics port: fails before the job starts
+        peers = _peers(a.net_peers)
+        learns = coordinator is not None and learns_peers(spec, peers, coordinator)  # the overlay's peers, from it
+        agent = Agent(AgentConfig(  # the trigger runner binds the metrics port: it fails before the job starts
+            job, spec, out, lock_fd=lock_fd, claim=claim, coordinator=coordinator, net_peers=peers,
+            underlay=underlay_towards(coordinator[0]) if coordinator is not None and learns else "",
+            triggers=lambda agent: TriggerRunner(agent, triggers)))
         agent.launch()
         return agent
 
@@ -337,10 +336,9 @@ def _resume(a: argparse.Namespace, spec: JobSpec, snap: resume.Candidate, lock_f
     job = JobDir(spec.name)
 
     def start(out: Any) -> Agent:
-        agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
-        agent.lock_fd, agent.claim = lock_fd, claim
         try:
-            agent.triggers = TriggerRunner(agent, triggers)
+            agent = Agent(AgentConfig(job, JobSpec.from_json(manifest.job), out, lock_fd=lock_fd, claim=claim,
+                                      triggers=lambda agent: TriggerRunner(agent, triggers)))
             agent.restore(run)
         except BaseException as e:
             run.abandon(e)
@@ -433,18 +431,20 @@ def cmd_restore(a: argparse.Namespace) -> int:
     job = JobDir(manifest.job_name)
 
     def start(out: Any) -> Agent:
-        agent = Agent(job, JobSpec.from_json(manifest.job), out=out)
-        if coordinator is None and agent.spec.coordinator:  # a coordinated job restored from a node's own image
-            agent.coordinator = coordinator_of(argparse.Namespace(coordinator=agent.spec.coordinator,
-                                                                  token_file=a.token_file), agent.spec.nnodes)
-        else:
-            agent.coordinator = coordinator
-        agent.net_peers = _peers(a.net_peers)
-        agent.underlay = underlay
-        if meeting is not None:
-            meeting.log = agent.log_line
+        spec = JobSpec.from_json(manifest.job)
+        coord = coordinator
+        if coord is None and spec.coordinator:  # a coordinated job restored from a node's own image
+            coord = coordinator_of(argparse.Namespace(coordinator=spec.coordinator, token_file=a.token_file),
+                                   spec.nnodes)
+
+        def runner(agent: Agent) -> TriggerRunner:
+            if meeting is not None:  # from here on, what the meeting tells goes to the agent's log
+                meeting.log = agent.log_line
+            return TriggerRunner(agent, triggers)
+
         try:
-            agent.triggers = TriggerRunner(agent, triggers)
+            agent = Agent(AgentConfig(job, spec, out, coordinator=coord, net_peers=_peers(a.net_peers),
+                                      underlay=underlay, triggers=runner))
             agent.restore(run)
         except BaseException as e:
             run.abandon(e)  # what ran is undone (the other nodes told) when it failed before the sequence did

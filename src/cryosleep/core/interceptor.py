@@ -21,7 +21,7 @@ import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from cryosleep.core import users
 from cryosleep.errors import InterceptorError
@@ -137,6 +137,22 @@ S_SEND, S_RECV, S_SEND_TARGET, S_RECV_TARGET = 512, 1024, 1536, 2048
 _U32 = 0xFFFFFFFF
 
 
+class DevmemPlan(TypedDict, total=False):
+    """What a snapshot of a rank takes with the fast path (:meth:`DevMem.plan`: the manifest's record of each
+    rank, and `check --job --json`'s)."""
+
+    moved_bytes: int
+    """Device memory the interceptor moves itself."""
+    served: dict[str, int]
+    """What it served through cudaMalloc: bytes, count, small (allocations from its slabs)."""
+    mapped: dict[str, int]
+    """The application's own cuMemCreate/cuMemMap memory it moves: bytes, count."""
+    left: list[dict[str, Any]]
+    """Left to the driver's checkpoint, per kind: kind, bytes, count, why."""
+    arena: dict[str, Any]
+    """The staging arena: its bytes, and how it was made and pinned (:meth:`DevMem.arena`)."""
+
+
 @dataclass(frozen=True)
 class DevMem:
     """A worker's device memory as the fast path sees it (docs/interceptor.md, "The fast path")."""
@@ -183,7 +199,7 @@ class DevMem:
             out.append(("cudaMalloc under 1 MiB", self.small_bytes, self.small_count, LEFT_REASONS[LEFT_SMALL]))
         return out
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> DevmemPlan:
         """What a snapshot of this rank takes (the manifest's record, `check --job --json`'s): moved by the fast
         path, left to the driver's checkpoint with why, and the staging arena."""
         return {"moved_bytes": self.moved_bytes,

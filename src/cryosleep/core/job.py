@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from cryosleep import paths
 from cryosleep.core import proctree
@@ -76,6 +76,17 @@ def check_name(name: str) -> str:
     return name
 
 
+class OutboundPolicy(TypedDict, total=False):
+    """``cryosleep.capture.outbound.Policy`` as JSON (the job spec's, and each snapshot node's record of it)."""
+
+    reset: str | list[str]
+    """``all`` (every peer outside the job), ``none``, or the destinations to reset."""
+    keep: list[str]
+    """Peers outside the job whose connections are restored as they are."""
+    drain_s: float
+    """How long a snapshot waits at most for their send queues to empty."""
+
+
 @dataclass
 class JobSpec:
     """What a job is: enough to describe it, relaunch its agent, and check a restore target."""
@@ -100,10 +111,10 @@ class JobSpec:
     # Where the job's snapshots persist off the machine (`cryosleep run --store URL`): {"url", "key_file",
     # "local_keep"} (cryosleep.store.persist.RemoteConfig); empty: the local store only.
     persist: dict[str, Any] = field(default_factory=dict)
-    # Connections to peers outside the job (`cryosleep run --outbound-reset/--outbound-keep/--outbound-drain`,
-    # cryosleep.capture.outbound.Policy as JSON: {"reset", "keep", "drain_s"}); empty: the default, every
-    # peer outside the job drained before a dump and reset in a restored copy (docs/network.md).
-    outbound: dict[str, Any] = field(default_factory=dict)
+    # Connections to peers outside the job (`cryosleep run --outbound-reset/--outbound-keep/--outbound-drain`);
+    # empty: the default, every peer outside the job drained before a dump and reset in a restored copy
+    # (docs/network.md).
+    outbound: OutboundPolicy = field(default_factory=lambda: OutboundPolicy())
     # The coordinator that runs this job's snapshots on all its nodes (`cryosleep run --coordinator URL`;
     # docs/coordinator.md); empty: the agent snapshots its node on its own. Its token is never recorded.
     coordinator: str = ""

@@ -19,6 +19,9 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from cryosleep.core.interceptor import DevmemPlan
+from cryosleep.core.job import OutboundPolicy
+
 FORMAT_VERSION = 1
 # Environment variables whose values never leave the machine in a snapshot's description (the manifest
 # embedded in the chunk store is not encrypted; the images are), and which its MAC therefore does not cover.
@@ -50,6 +53,9 @@ def _fits(value: Any, tp: Any) -> bool:
         return isinstance(value, list) and all(_fits(v, item) for v in value)
     if origin is dict:
         return isinstance(value, dict)
+    if typing.is_typeddict(tp):  # the keys it names of the types it says (any may be absent: total=False)
+        hints = typing.get_type_hints(tp)
+        return isinstance(value, dict) and all(_fits(value[k], t) for k, t in hints.items() if k in value)
     return False
 
 
@@ -230,7 +236,7 @@ class DevmemRank:
     """Its image's (first) piece; None: the rank took the plain path (the driver's checkpoint holds its memory)."""
     bytes: int = 0
     """Device memory it moved itself (the image's size)."""
-    plan: dict[str, Any] | None = None
+    plan: DevmemPlan | None = None
     """What it moved and what it left to the driver, and why (``DevMem.plan()``, as `check --job` shows it);
     None in snapshots older than that record."""
     pieces: list[DevmemPiece] | None = None
@@ -320,7 +326,7 @@ class NodeOutbound:
     restored copy (``capture.outbound.before_dump``). ``{}`` in snapshots older than this record; only the
     policy when it resets nothing (then nothing was sorted)."""
 
-    policy: dict[str, Any] | None = None
+    policy: OutboundPolicy | None = None
     """The job's ``capture.outbound.Policy`` as JSON."""
     waited_s: float | None = None
     """How long the snapshot waited for send queues to drain; None: the connections were not sorted (then
