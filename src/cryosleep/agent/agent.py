@@ -27,6 +27,7 @@ from typing import Any, Protocol, TextIO
 
 from cryosleep import metrics, paths
 from cryosleep.agent import coordinated, failures, resume
+from cryosleep.agent.logtail import LogTail
 from cryosleep.agent.watchdog import Watchdog
 from cryosleep.capture import criu_install, netlock
 from cryosleep.capture import restore as capture_restore
@@ -145,47 +146,6 @@ def runtime_facts(program: list[str], env: dict[str, str]) -> dict[str, Any]:
         return {}
 
 
-class LogTail:
-    """Follows the per-rank log files and prints new complete lines, prefixed by rank."""
-
-    def __init__(self, job: JobDir, ranks: list[int], out: TextIO | None, from_end: bool = False) -> None:
-        self.job = job
-        self.out = out
-        self.offsets: dict[int, int] = {}
-        self.partial: dict[int, bytes] = {}
-        for r in ranks:
-            p = job.rank_log(r)
-            self.offsets[r] = p.stat().st_size if (from_end and p.exists()) else 0
-            self.partial[r] = b""
-
-    def poll(self, final: bool = False) -> None:
-        for r in self.offsets:
-            p = self.job.rank_log(r)
-            try:
-                with open(p, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size < self.offsets[r]:  # truncated (a restore put it back): follow from there
-                        self.offsets[r] = size
-                        self.partial[r] = b""
-                    f.seek(self.offsets[r])
-                    data = f.read()
-            except FileNotFoundError:
-                continue
-            if not data and not (final and self.partial[r]):
-                continue
-            self.offsets[r] += len(data)
-            buf = self.partial[r] + data
-            lines = buf.split(b"\n")
-            self.partial[r] = lines.pop()
-            if final and self.partial[r]:
-                lines.append(self.partial[r])
-                self.partial[r] = b""
-            if self.out is not None:
-                for line in lines:
-                    self.out.write(f"[rank{r}]: {line.decode(errors='replace')}\n")
-                self.out.flush()
-
-
 def take_job_lock(job: JobDir, log: Any) -> int:
     """The job's lock, for an agent's life; an agent of the job that is only ending is waited for."""
     def say() -> None:
@@ -283,6 +243,10 @@ class Agent:
         """The ranks whose output the console shows (`cryosleep run --local-ranks-filter`: these local ranks)."""
         keep = set(self.spec.local_ranks_filter)
         return [r for i, r in enumerate(self.spec.ranks) if not keep or i in keep]
+
+    def learns_peers(self) -> bool:
+        """(agent/node.py) This node's overlay peers follow the coordinator's board (:func:`learns_peers`)."""
+        return learns_peers(self.spec, self.net_peers, self.coordinator)
 
     def end_job(self, detail: str) -> None:
         """Ends the job's workers now (the coordinator's ``end``); the job is recorded failed with ``detail``."""
@@ -496,7 +460,7 @@ class Agent:
             resume.heartbeat(self.claim, lambda: self.recorded, self.log_line, self.end_job)
         if self.coordinator is not None:
             self.runner = coordinated.connect(self, *self.coordinator)
-        if learns_peers(self.spec, self.net_peers, self.coordinator):
+        if self.learns_peers():
             assert self.coordinator is not None
             net = self.spec.net
             self.net_watch = coordinated.NetPeers(
