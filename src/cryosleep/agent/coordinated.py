@@ -39,11 +39,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from cryosleep import paths
 from cryosleep.agent.node import NodeAgent
 from cryosleep.capture import snapshot as capture_snapshot
+from cryosleep.coordinator import protocol as msg
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Registration, host_name
 from cryosleep.coordinator.protocol import (
     Command,
@@ -111,7 +112,7 @@ class CoordinatedNode:
 
     # ---- plumbing ----------------------------------------------------------------------------------------
 
-    def _serial(self, fn: Callable[[Command], dict[str, Any]], cmd: Command) -> dict[str, Any]:
+    def _serial(self, fn: Callable[[Command, msg.ArgsT], msg.DataT], cmd: Command) -> msg.DataT:
         lock = self.op_lock
         if cmd.op == "abort":
             budget = max(1.0, cmd.budget_s)
@@ -124,7 +125,7 @@ class CoordinatedNode:
         try:
             self.last_command = time.monotonic()
             self._stall(cmd)
-            return fn(cmd)
+            return fn(cmd, cast(msg.ArgsT, cmd.args))  # the op's args as its handler reads them (types only)
         except Exception as e:
             cap = self.cap
             err = cap.explain(e) if cap is not None else e
@@ -204,7 +205,7 @@ class CoordinatedNode:
     def _gen(self, nccl: Driver, cmd: Command) -> None:
         nccl.gen = int(cmd.args["gen"]) - 1  # the next command written is exactly ``gen``
 
-    def _views(self, nccl: Driver | None) -> dict[str, Any]:
+    def _views(self, nccl: Driver | None) -> msg.ViewsData:
         return {"views": [view_to_json(v) for v in nccl.views()] if nccl is not None else []}
 
     def _end(self, how: str) -> None:
@@ -249,10 +250,10 @@ class CoordinatedNode:
 
     # ---- the operations ----------------------------------------------------------------------------------
 
-    def prepare(self, cmd: Command) -> dict[str, Any]:
+    def prepare(self, cmd: Command) -> msg.PrepareData:
         return self._serial(self._prepare, cmd)
 
-    def _prepare(self, cmd: Command) -> dict[str, Any]:
+    def _prepare(self, cmd: Command, args: msg.PrepareArgs) -> msg.PrepareData:
         if self.sid is not None and self.sid != cmd.snapshot:
             self._abandon_stale()
         if self.sid == cmd.snapshot:
@@ -263,14 +264,14 @@ class CoordinatedNode:
                        f"{agent.spec.node_rank}", f"started as {agent.state.snapshot_in_progress or 'another'}",
                        "wait for it to finish, then try again")
         self.holds_lock = True
-        stop = cmd.args.get("mode") == "stop"
-        rehearsal = bool(cmd.args.get("rehearsal"))
+        stop = args["mode"] == "stop"
+        rehearsal = bool(args.get("rehearsal"))
         self.sid = cmd.snapshot
         try:
             if agent.stopping or not agent.job_alive():
                 raise NotFound(f"job {agent.spec.name!r} has already exited on node {agent.spec.node_rank}",
                                "there is nothing to capture", "restore one of its snapshots to run it again")
-            agent.state.snapshot_in_progress = f"{'rehearsal' if rehearsal else cmd.args.get('mode')} ({cmd.snapshot})"
+            agent.state.snapshot_in_progress = f"{'rehearsal' if rehearsal else args['mode']} ({cmd.snapshot})"
             agent.save_state()
             target = agent.capture_target(stop, self.send, persist=not rehearsal, store=self.store)
             self.cap = capture_snapshot.NodeCapture(target, self.store, stop=stop, deadline=local_deadline(cmd),
@@ -293,10 +294,10 @@ class CoordinatedNode:
                 "net": bool(agent.spec.net),  # a job network to hold while the nodes are dumped
                 "learns": agent.learns_peers()}  # its overlay's peers follow the board: a migration needs to know
 
-    def hold(self, cmd: Command) -> dict[str, Any]:
+    def hold(self, cmd: Command) -> msg.ViewsData:
         return self._serial(self._hold, cmd)
 
-    def _hold(self, cmd: Command) -> dict[str, Any]:
+    def _hold(self, cmd: Command, args: msg.HoldArgs) -> msg.ViewsData:
         cap = self._current(cmd)
         if self.nccl is not None:
             self._gen(self.nccl, cmd)
@@ -304,34 +305,34 @@ class CoordinatedNode:
             self.nccl.hold(cap.deadline)
         return self._views(self.nccl)
 
-    def report(self, cmd: Command) -> dict[str, Any]:
+    def report(self, cmd: Command) -> msg.ViewsData:
         return self._serial(self._report, cmd)
 
-    def _report(self, cmd: Command) -> dict[str, Any]:
+    def _report(self, cmd: Command, args: msg.ReportArgs) -> msg.ViewsData:
         cap = self._current(cmd)
         if self.nccl is not None:
-            time.sleep(min(float(cmd.args.get("wait_s", 0.0)), max(0.0, cap.deadline - time.monotonic())))
+            time.sleep(min(float(args.get("wait_s", 0.0)), max(0.0, cap.deadline - time.monotonic())))
             self.nccl.join_late_ranks(cap.deadline)
             self.nccl.check_alive("a consistent cut")
         return self._views(self.nccl)
 
-    def targets(self, cmd: Command) -> dict[str, Any]:
+    def targets(self, cmd: Command) -> msg.ViewsData:
         return self._serial(self._targets, cmd)
 
-    def _targets(self, cmd: Command) -> dict[str, Any]:
+    def _targets(self, cmd: Command, args: msg.TargetsArgs) -> msg.ViewsData:
         cap = self._current(cmd)
         if self.nccl is None:
             return self._views(None)
         self.nccl.join_late_ranks(cap.deadline)
         self.nccl.check_alive("a consistent cut")
-        views = self.nccl.apply_targets(targets_from_json(cmd.args.get("targets") or {}),
+        views = self.nccl.apply_targets(targets_from_json(args["targets"]),
                                         min(cap.deadline, time.monotonic() + TARGETS_WAIT_S))
         return {"views": [view_to_json(v) for v in views]}
 
-    def quiesce(self, cmd: Command) -> dict[str, Any]:
+    def quiesce(self, cmd: Command) -> msg.QuiesceData:
         return self._serial(self._quiesce, cmd)
 
-    def _quiesce(self, cmd: Command) -> dict[str, Any]:
+    def _quiesce(self, cmd: Command, args: msg.GenArgs) -> msg.QuiesceData:
         cap = self._current(cmd)
         cap.phases.end("drain")
         if self.nccl is not None:
@@ -340,20 +341,20 @@ class CoordinatedNode:
         cap.quiesce()
         return {"records": cap.nccl_info.to_json().get("ranks", [])}
 
-    def net_hold(self, cmd: Command) -> dict[str, Any]:
+    def net_hold(self, cmd: Command) -> msg.NoData:
         return self._serial(self._net_hold, cmd)
 
-    def _net_hold(self, cmd: Command) -> dict[str, Any]:
+    def _net_hold(self, cmd: Command, args: msg.NoArgs) -> msg.NoData:
         self._current(cmd)
         if self.agent.spec.net:
             net_sandbox.hold(self.agent.state.init_pid, True)
             self.net_held = True
         return {}
 
-    def net_release(self, cmd: Command) -> dict[str, Any]:
+    def net_release(self, cmd: Command) -> msg.NoData:
         return self._serial(self._net_release, cmd)
 
-    def _net_release(self, cmd: Command) -> dict[str, Any]:
+    def _net_release(self, cmd: Command, args: msg.NoArgs) -> msg.NoData:
         self._current(cmd)
         self._release_net()
         return {}
@@ -363,24 +364,24 @@ class CoordinatedNode:
             net_sandbox.hold(self.agent.state.init_pid, False)
             self.net_held = False
 
-    def net_peers(self, cmd: Command) -> dict[str, Any]:
+    def net_peers(self, cmd: Command) -> msg.NetPeersData:
         return self._serial(self._net_peers, cmd)
 
-    def _net_peers(self, cmd: Command) -> dict[str, Any]:
+    def _net_peers(self, cmd: Command, args: msg.NetPeersArgs) -> msg.NetPeersData:
         """(a migration's staying node, held) the overlay sends to the moved node's new host, not its old one."""
         self._current(cmd)
         if not self.agent.spec.net:
             return {"peers": []}
-        old, new = str(cmd.args.get("old") or ""), str(cmd.args.get("new") or "")
+        old, new = args["old"], args["new"]
         peers = net_sandbox.move_peer(self.agent.spec.net, old, new)
-        self.log(f"job network: overlay peers {', '.join(peers) or 'none'} (node(s) {cmd.args.get('nodes')} moved "
+        self.log(f"job network: overlay peers {', '.join(peers) or 'none'} (node(s) {args['nodes']} moved "
                  f"from {old or 'this host'} to {new or 'this host'})")
         return {"peers": peers}
 
-    def finish(self, cmd: Command) -> dict[str, Any]:
+    def finish(self, cmd: Command) -> msg.FinishData:
         return self._serial(self._finish, cmd)
 
-    def _finish(self, cmd: Command) -> dict[str, Any]:
+    def _finish(self, cmd: Command, args: msg.NoArgs) -> msg.FinishData:
         """(a migration's staying node, running again) the snapshot is over here: the staging begun at prepare goes."""
         if self.done.get(cmd.snapshot) == "migrated":
             return {}
@@ -389,18 +390,18 @@ class CoordinatedNode:
         self._end("migrated")
         return {"problems": problems}
 
-    def capture(self, cmd: Command) -> dict[str, Any]:
+    def capture(self, cmd: Command) -> msg.PhasesData:
         return self._serial(self._capture, cmd)
 
-    def _capture(self, cmd: Command) -> dict[str, Any]:
+    def _capture(self, cmd: Command, args: msg.CaptureArgs) -> msg.PhasesData:
         cap = self._current(cmd)
         cap.dump()
         return {"phases": cap.phases.rounded()}
 
-    def resume(self, cmd: Command) -> dict[str, Any]:
+    def resume(self, cmd: Command) -> msg.ResumeData:
         return self._serial(self._resume, cmd)
 
-    def _resume(self, cmd: Command) -> dict[str, Any]:
+    def _resume(self, cmd: Command, args: msg.GenArgs) -> msg.ResumeData:
         nccl = self._driver(cmd)
         if nccl is None:
             return {"uids": {}, "need": []}
@@ -415,21 +416,21 @@ class CoordinatedNode:
         uids, need = nccl.published(gen, local_deadline(cmd))
         return {"uids": {ident_hex(i): u.hex() for i, u in uids.items()}, "need": [ident_hex(i) for i in need]}
 
-    def relay(self, cmd: Command) -> dict[str, Any]:
+    def relay(self, cmd: Command) -> msg.NoData:
         return self._serial(self._relay, cmd)
 
-    def _relay(self, cmd: Command) -> dict[str, Any]:
+    def _relay(self, cmd: Command, args: msg.RelayArgs) -> msg.NoData:
         nccl = self._driver(cmd)
         if nccl is None:
             return {}
-        uids = {int(k, 16): bytes.fromhex(str(v)) for k, v in (cmd.args.get("uids") or {}).items()}
-        nccl.rebuild_wait(int(cmd.args["gen"]), local_deadline(cmd), uids)
+        uids = {int(k, 16): bytes.fromhex(str(v)) for k, v in args["uids"].items()}
+        nccl.rebuild_wait(int(args["gen"]), local_deadline(cmd), uids)
         return {}
 
-    def run(self, cmd: Command) -> dict[str, Any]:
+    def run(self, cmd: Command) -> msg.NoData:
         return self._serial(self._run, cmd)
 
-    def _run(self, cmd: Command) -> dict[str, Any]:
+    def _run(self, cmd: Command, args: msg.GenArgs) -> msg.NoData:
         nccl = self._driver(cmd)
         if nccl is not None:
             self._gen(nccl, cmd)
@@ -446,15 +447,15 @@ class CoordinatedNode:
             self._end("rehearsed")
         return {}
 
-    def persist(self, cmd: Command) -> dict[str, Any]:
+    def persist(self, cmd: Command) -> msg.PersistData:
         return self._serial(self._persist, cmd)
 
-    def _persist(self, cmd: Command) -> dict[str, Any]:
+    def _persist(self, cmd: Command, args: msg.PersistArgs) -> msg.PersistData:
         cap = self._current(cmd)
         manifest = cap.commit()
         self.images[cmd.snapshot] = manifest.id
-        if cmd.args.get("verify", True):
-            cap.verify(float(cmd.args.get("timeout_s") or cmd.budget_s))
+        if args.get("verify", True):
+            cap.verify(float(args.get("timeout_s") or cmd.budget_s))
         cap.persist()
         remote = (self.agent.spec.persist or {}).get("url")
         data = (self.store.path_of(manifest.id) / "manifest.json").read_bytes()
@@ -469,10 +470,10 @@ class CoordinatedNode:
             self._end("verified")
         return {"image": image.to_json(), "phases": cap.phases.rounded()}
 
-    def stop(self, cmd: Command) -> dict[str, Any]:
+    def stop(self, cmd: Command) -> msg.StopData:
         return self._serial(self._stop, cmd)
 
-    def _stop(self, cmd: Command) -> dict[str, Any]:
+    def _stop(self, cmd: Command, args: msg.NoArgs) -> msg.StopData:
         if self.done.get(cmd.snapshot) == "stopped":
             return {}
         cap = self._current(cmd)
@@ -483,11 +484,11 @@ class CoordinatedNode:
         self._end("stopped")
         return {"image": manifest.id}
 
-    def abort(self, cmd: Command) -> dict[str, Any]:
+    def abort(self, cmd: Command) -> msg.AbortData:
         return self._serial(self._abort, cmd)
 
-    def _abort(self, cmd: Command) -> dict[str, Any]:
-        at_cut = bool(cmd.args.get("at_cut"))
+    def _abort(self, cmd: Command, args: msg.AbortArgs) -> msg.AbortData:
+        at_cut = bool(args["at_cut"])
         if cmd.snapshot != self.sid:
             # never seen here, or already over: a verified keep-running image of a snapshot that failed
             # elsewhere is removed (the snapshot is never listed valid, and nothing refers to the image)
@@ -529,12 +530,11 @@ class CoordinatedNode:
                                 "; ".join(problems), "end the job and restore its last verified snapshot")
         return {"state": "running"}
 
-
-    def end(self, cmd: Command) -> dict[str, Any]:
+    def end(self, cmd: Command) -> msg.NoData:
         return self._serial(self._endop, cmd)
 
-    def _endop(self, cmd: Command) -> dict[str, Any]:
-        reason = str(cmd.args.get("reason") or f"snapshot {cmd.snapshot} failed past its cut")
+    def _endop(self, cmd: Command, args: msg.EndArgs) -> msg.NoData:
+        reason = str(args["reason"] or f"snapshot {cmd.snapshot} failed past its cut")
         self.agent.end_job(f"ended by the coordinator: {reason}; restore the job's last verified snapshot")
         self._end("ended")
         return {}

@@ -8,12 +8,13 @@ that refused, the ranks short of the cut), not wrapped as "node 0 failed at OP".
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from cryosleep.coordinator.client import NodeBackend
 from cryosleep.coordinator.machine import (
     PHASE_OF,
+    Args,
     MachineConfig,
     NodeFailure,
     Outcome,
@@ -80,16 +81,16 @@ class EmbeddedRun(SnapshotSequence):
         self.node = node
         self.rehearsal = rehearsal
 
-    def gather(self, op: Op, args: dict[str, Any] | Callable[[int], dict[str, Any]], deadline: float, *,
-               tolerant: bool = False, nodes: list[int] | None = None) -> Outcome:
+    def gather(self, op: Op, args: Args, deadline: float, *,
+               tolerant: bool = False, nodes: list[int] | None = None) -> Outcome[Any]:
         self.step += 1
-        out = Outcome()
+        out: Outcome[Any] = Outcome()
         for n in list(self.nodes) if nodes is None else nodes:
             cmd = Command(id=f"{self.sid}.{self.step}.{op}", snapshot=self.sid, job=self.job, op=op,
                           budget_s=max(0.0, deadline - time.monotonic()),
                           deadline=time.time() + max(0.0, deadline - time.monotonic()),
                           args=args(n) if callable(args) else args)
-            fn: Callable[[Command], dict[str, Any]] = getattr(self.node, str(op))
+            fn: Callable[[Command], Mapping[str, Any]] = getattr(self.node, str(op))
             start = time.monotonic()
             try:
                 out.ok[n] = fn(cmd)

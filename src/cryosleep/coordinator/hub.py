@@ -29,7 +29,7 @@ class Pending:
     snapshot: str
     job: str
     op: Op
-    args: dict[str, Any]
+    args: Mapping[str, Any]  # the op's args (protocol.PAYLOADS)
     deadline: float  # monotonic, on the coordinator's clock
     delivered: float | None = None
 
@@ -123,7 +123,7 @@ class Hub:
 
     # ---- commands ------------------------------------------------------------------------------------------
 
-    def send(self, agent_id: str, cmd_id: str, snapshot: str, job: str, op: Op, args: dict[str, Any],
+    def send(self, agent_id: str, cmd_id: str, snapshot: str, job: str, op: Op, args: Mapping[str, Any],
              deadline: float) -> None:
         with self.lock:
             a = self.lines[agent_id]
@@ -132,7 +132,7 @@ class Hub:
             a.outbox[cmd_id] = Pending(cmd_id, snapshot, job, op, args, deadline)
             self._wake(a)
 
-    def send_round(self, cmd_id: str, snapshot: str, job: str, op: Op, args: Mapping[str, dict[str, Any]],
+    def send_round(self, cmd_id: str, snapshot: str, job: str, op: Op, args: Mapping[str, Mapping[str, Any]],
                    deadline: float) -> None:
         """``send`` to every agent of ``args`` (agent -> its arguments) under one lock acquisition, and wake
         the round's waiter (``wait_arrivals``) only once every one of them answered, or at a failure, a replaced

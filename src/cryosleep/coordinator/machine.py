@@ -43,16 +43,32 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.protocol import (
     GEN_STRIDE,
+    AbortArgs,
+    AbortData,
+    CaptureArgs,
+    EndArgs,
+    GenArgs,
+    HoldArgs,
     ImageRef,
     Mode,
+    NoArgs,
     Op,
+    PersistArgs,
+    PersistData,
+    PrepareArgs,
+    PrepareData,
+    RelayArgs,
+    ReportArgs,
+    ResumeData,
+    TargetsArgs,
+    ViewsData,
     targets_for,
     targets_to_json,
     views_from_json,
@@ -95,9 +111,17 @@ class NodeFailure:
     error: CryosleepError | None = None  # the node's own error, where it ran in this process (embedded.py)
 
 
+D = TypeVar("D")
+# a command's args: one for every node, or each node's own (node rank -> its args)
+Args = Mapping[str, Any] | Callable[[int], Mapping[str, Any]]
+
+
 @dataclass
-class Outcome:
-    ok: dict[int, dict[str, Any]] = field(default_factory=dict)
+class Outcome(Generic[D]):
+    """The answers of one round: each node's data (its op's ``protocol.PAYLOADS`` type, which the caller names:
+    ``out: Outcome[PrepareData] = self.gather(Op.PREPARE, ...)``), and the nodes that failed."""
+
+    ok: dict[int, D] = field(default_factory=dict)
     failed: list[NodeFailure] = field(default_factory=list)
 
 
@@ -169,8 +193,8 @@ class SnapshotSequence:
         self.gen += GEN_STRIDE
         return self.gen
 
-    def gather(self, op: Op, args: dict[str, Any] | Callable[[int], dict[str, Any]], deadline: float, *,
-               tolerant: bool = False, nodes: list[int] | None = None) -> Outcome:
+    def gather(self, op: Op, args: Args, deadline: float, *,
+               tolerant: bool = False, nodes: list[int] | None = None) -> Outcome[Any]:
         """Sends ``op`` to every node and waits for every answer. Not tolerant: the first failure, a lost or
         restarted agent, or the deadline raises (the rest is cancelled). Tolerant: waits for every node that
         can still answer and returns the failures."""
@@ -204,15 +228,17 @@ class SnapshotSequence:
     # ---- the phases ----------------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        out = self.gather(Op.PREPARE, {"mode": str(self.mode), **({"rehearsal": True} if self.rehearsal else {})},
-                          self.deadline)
-        self.gen = max([int(d.get("gen", 0)) for d in out.ok.values()] + [0])
+        args = PrepareArgs(mode=str(self.mode))
+        if self.rehearsal:
+            args["rehearsal"] = True
+        out: Outcome[PrepareData] = self.gather(Op.PREPARE, args, self.deadline)
+        self.gen = max([int(d["gen"]) for d in out.ok.values()] + [0])
         self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has
 
     def drain(self) -> Decision:
         gen = self.next_gen()
         hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
-        out = self.gather(Op.HOLD, {"gen": gen, "hold_s": hold_s}, self.deadline)
+        out: Outcome[ViewsData] = self.gather(Op.HOLD, HoldArgs(gen=gen, hold_s=hold_s), self.deadline)
         views = {n: views_from_json(d) for n, d in out.ok.items()}
 
         def ask(round_: int, targets: Targets | None) -> list[RankView]:
@@ -220,11 +246,11 @@ class SnapshotSequence:
             self.rounds = round_
             if targets is not None:
                 idents = {n: {s.ident for v in views[n] for s in v.comms} for n in self.nodes}
-                per_node = {n: {"round": round_, "targets": targets_to_json(targets_for(targets, idents[n]))}
+                per_node = {n: TargetsArgs(round=round_, targets=targets_to_json(targets_for(targets, idents[n])))
                             for n in self.nodes}
-                got = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
+                got: Outcome[ViewsData] = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
             else:
-                got = self.gather(Op.REPORT, {"round": round_, "wait_s": self.cfg.report_wait_s}, self.deadline)
+                got = self.gather(Op.REPORT, ReportArgs(round=round_, wait_s=self.cfg.report_wait_s), self.deadline)
             views.update({n: views_from_json(d) for n, d in got.ok.items()})
             return [v for n in self.nodes for v in views[n]]
 
@@ -240,7 +266,7 @@ class SnapshotSequence:
     def quiesce(self) -> None:
         self.at_cut = True
         self.catalog.update_snapshot(self.sid, at_cut=True)  # durable before any rank destroys a communicator
-        self.gather(Op.QUIESCE, {"gen": self.next_gen()}, self.deadline)
+        self.gather(Op.QUIESCE, GenArgs(gen=self.next_gen()), self.deadline)
 
     def capture(self) -> None:
         """Keep-running: the job network is held on every node from before the first dump to after the last, so
@@ -248,26 +274,26 @@ class SnapshotSequence:
         (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump."""
         keep = self.mode is Mode.KEEP_RUNNING and self.holds_network and self.holds_net
         if keep:
-            self.gather(Op.NET_HOLD, {}, self.deadline)
-        self.gather(Op.CAPTURE, {"mode": str(self.mode), "gen": self.next_gen()}, self.deadline)
+            self.gather(Op.NET_HOLD, NoArgs(), self.deadline)
+        self.gather(Op.CAPTURE, CaptureArgs(mode=str(self.mode), gen=self.next_gen()), self.deadline)
         if keep:
-            self.gather(Op.NET_RELEASE, {}, self.deadline)
+            self.gather(Op.NET_RELEASE, NoArgs(), self.deadline)
 
     def rebuild_all(self, deadline: float) -> None:
         """REBUILD(g) everywhere, ids relayed across nodes, every rank RUNNING(g), then RUN."""
         gen = self.next_gen()
-        out = self.gather(Op.RESUME, {"gen": gen}, deadline)
+        out: Outcome[ResumeData] = self.gather(Op.RESUME, GenArgs(gen=gen), deadline)
         uids: dict[str, str] = {}
         for d in out.ok.values():
-            uids.update({str(k): str(v) for k, v in (d.get("uids") or {}).items()})
-        need = {n: [str(i) for i in d.get("need") or ()] for n, d in out.ok.items()}
+            uids.update({str(k): str(v) for k, v in d["uids"].items()})
+        need = {n: [str(i) for i in d["need"]] for n, d in out.ok.items()}
         missing = sorted({i for n in need for i in need[n] if i not in uids})
         if missing:
             raise CaptureFailed("the NCCL communicators could not be rebuilt across nodes",
                                 "no node published a fresh id for communicator(s) " + ", ".join(missing),
                                 "the member of rank 0 of each communicator must be on a node of this job")
-        self.gather(Op.RELAY, lambda n: {"gen": gen, "uids": {i: uids[i] for i in need[n]}}, deadline)
-        self.gather(Op.RUN, {"gen": self.next_gen()}, deadline)
+        self.gather(Op.RELAY, lambda n: RelayArgs(gen=gen, uids={i: uids[i] for i in need[n]}), deadline)
+        self.gather(Op.RUN, GenArgs(gen=self.next_gen()), deadline)
 
     def resume(self) -> None:
         deadline = max(self.deadline, time.monotonic() + self.cfg.rollback_s)
@@ -285,8 +311,8 @@ class SnapshotSequence:
 
     def persist(self) -> None:
         verify = self.mode is Mode.STOP or self.verify_kept
-        out = self.gather(Op.PERSIST, {"mode": str(self.mode), "timeout_s": self.timeout_s, "verify": verify},
-                          self.deadline)
+        out: Outcome[PersistData] = self.gather(
+            Op.PERSIST, PersistArgs(mode=str(self.mode), timeout_s=self.timeout_s, verify=verify), self.deadline)
         for n, d in out.ok.items():
             try:
                 self.images[n] = ImageRef.from_json(d.get("image"))
@@ -295,7 +321,7 @@ class SnapshotSequence:
                                     "the node agent is out of date?", node=n) from e
 
     def stop(self) -> list[str]:
-        out = self.gather(Op.STOP, {}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
+        out = self.gather(Op.STOP, NoArgs(), time.monotonic() + self.cfg.rollback_s, tolerant=True)
         return [f"node {f.node}: {f.why}" for f in out.failed]
 
     # ---- the sequence --------------------------------------------------------------------------------------
@@ -367,8 +393,9 @@ class SnapshotSequence:
         states = dict.fromkeys(self.nodes, "resumed")
         with self.phases.phase("rollback"):
             at_cut = self.at_cut and not self.resumed
-            out = self.gather(Op.ABORT, {"at_cut": at_cut, "gen": self.next_gen()}, deadline, tolerant=True)
-            exited = sorted(n for n, d in out.ok.items() if d.get("state") == "exited")
+            out: Outcome[AbortData] = self.gather(Op.ABORT, AbortArgs(at_cut=at_cut, gen=self.next_gen()), deadline,
+                                                  tolerant=True)
+            exited = sorted(n for n, d in out.ok.items() if d["state"] == "exited")
             for n in exited:
                 states[n] = "exited"
                 problems.append(f"node {n}: its workers exited during the snapshot")
@@ -390,7 +417,7 @@ class SnapshotSequence:
                             problems.append(f"{e.what}: {e.why}")
                             states = {n: "lost" if st == "lost" else "not-resumed" for n, st in states.items()}
                             break
-                        again = self.gather(Op.ABORT, {"at_cut": True, "gen": self.next_gen()}, deadline,
+                        again = self.gather(Op.ABORT, AbortArgs(at_cut=True, gen=self.next_gen()), deadline,
                                             tolerant=True)
                         problems += [f"node {f.node}: {f.why}" for f in again.failed]
         ended = False
@@ -402,7 +429,7 @@ class SnapshotSequence:
             # (agent/watchdog.py)
             reason = (f"the workers of node(s) {', '.join(map(str, exited))} exited during snapshot {self.sid}"
                       if exited else f"snapshot {self.sid} could not be rolled back on every node")
-            out = self.gather(Op.END, {"reason": reason}, time.monotonic() + self.cfg.rollback_s, tolerant=True)
+            out = self.gather(Op.END, EndArgs(reason=reason), time.monotonic() + self.cfg.rollback_s, tolerant=True)
             ended = True
             for n in out.ok:
                 states[n] = "ended"
@@ -446,8 +473,8 @@ class SnapshotRun(SnapshotSequence):
     def _save_states(self, states: dict[int, str]) -> None:
         self.catalog.update_node_states(self.sid, states)
 
-    def gather(self, op: Op, args: dict[str, Any] | Callable[[int], dict[str, Any]], deadline: float, *,
-               tolerant: bool = False, nodes: list[int] | None = None) -> Outcome:
+    def gather(self, op: Op, args: Args, deadline: float, *,
+               tolerant: bool = False, nodes: list[int] | None = None) -> Outcome[Any]:
         """Sends ``op`` to every node and waits for every answer. Not tolerant: the first failure, a lost or
         restarted agent, or the deadline raises CaptureFailed (the rest is cancelled). Tolerant: waits for
         every node that can still answer and returns the failures."""
@@ -455,7 +482,7 @@ class SnapshotRun(SnapshotSequence):
         started = time.monotonic()
         cid = f"{self.sid}.{self.step}.{op}"
         todo = list(self.nodes) if nodes is None else list(nodes)
-        out = Outcome()
+        out: Outcome[Any] = Outcome()
         registered = self.hub.health([self.nodes[n] for n in todo], self.cfg.lost_after_s)  # one lock for all
         for n in list(todo):
             inc = registered[self.nodes[n]][0]

@@ -39,10 +39,25 @@ from typing import Any
 
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.hub import Hub
-from cryosleep.coordinator.machine import MachineConfig, SnapshotRun
+from cryosleep.coordinator.machine import MachineConfig, Outcome, SnapshotRun
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.placement import Placements
-from cryosleep.coordinator.protocol import ImageRef, Mode, Op
+from cryosleep.coordinator.protocol import (
+    CaptureArgs,
+    EndArgs,
+    GenArgs,
+    ImageRef,
+    Mode,
+    NetPeersArgs,
+    NoArgs,
+    Op,
+    PersistArgs,
+    PersistData,
+    PrepareArgs,
+    PrepareData,
+    RelayArgs,
+    ResumeData,
+)
 from cryosleep.coordinator.rendezvous import Board
 from cryosleep.errors import CaptureFailed, CryosleepError, ProtocolError
 
@@ -108,9 +123,10 @@ class MigrateRun(SnapshotRun):
     # ---- the phases ------------------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        out = self.gather(Op.PREPARE, lambda n: {"mode": str(Mode.STOP if n in self.moving else Mode.KEEP_RUNNING)},
-                          self.deadline)
-        self.gen = max([int(d.get("gen", 0)) for d in out.ok.values()] + [0])
+        out: Outcome[PrepareData] = self.gather(
+            Op.PREPARE, lambda n: PrepareArgs(mode=str(Mode.STOP if n in self.moving else Mode.KEEP_RUNNING)),
+            self.deadline)
+        self.gen = max([int(d["gen"]) for d in out.ok.values()] + [0])
         self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())
         self.learns = all(bool(d.get("learns")) for n, d in out.ok.items() if n in self.staying)
         self.under = self._underlays()
@@ -122,12 +138,14 @@ class MigrateRun(SnapshotRun):
 
     def capture(self) -> None:
         if self.holds_net:  # from before the moving nodes' dump until the overlay follows them to the spare
-            self.gather(Op.NET_HOLD, {}, self.deadline, nodes=self.staying)
-        self.gather(Op.CAPTURE, {"mode": str(Mode.STOP), "gen": self.next_gen()}, self.deadline, nodes=self.moving)
+            self.gather(Op.NET_HOLD, NoArgs(), self.deadline, nodes=self.staying)
+        self.gather(Op.CAPTURE, CaptureArgs(mode=str(Mode.STOP), gen=self.next_gen()), self.deadline,
+                    nodes=self.moving)
 
     def persist(self) -> None:
-        out = self.gather(Op.PERSIST, {"mode": str(Mode.STOP), "timeout_s": self.timeout_s, "verify": True},
-                          self.deadline, nodes=self.moving)
+        out: Outcome[PersistData] = self.gather(
+            Op.PERSIST, PersistArgs(mode=str(Mode.STOP), timeout_s=self.timeout_s, verify=True), self.deadline,
+            nodes=self.moving)
         for n, d in out.ok.items():
             try:
                 self.images[n] = ImageRef.from_json(d.get("image"))
@@ -179,7 +197,7 @@ class MigrateRun(SnapshotRun):
                                     "is `cryosleep host serve` running there? the job runs on where it was")
 
     def stop_old(self) -> None:
-        self.gather(Op.STOP, {}, self.deadline, nodes=self.moving)
+        self.gather(Op.STOP, NoArgs(), self.deadline, nodes=self.moving)
         self.ponr = True
         self._decision(f"point of no return: node(s) {', '.join(map(str, self.moving))} ended on host(s) "
                        + ", ".join(sorted({self.hosts[n] for n in self.moving})))
@@ -192,14 +210,14 @@ class MigrateRun(SnapshotRun):
             if self.holds_net and self.staying:
                 old = self.under.get(n, "")
                 # a staying node on the spare's own network address (one machine) needs no overlay peer for it
-                args = {s: {"old": old, "new": "" if new == self.under.get(s) else new, "nodes": [n]}
+                args = {s: NetPeersArgs(old=old, new="" if new == self.under.get(s) else new, nodes=[n])
                         for s in self.staying}
                 self.gather(Op.NET_PEERS, args.__getitem__, deadline, nodes=self.staying)
                 self._decision(f"node {n}: the staying nodes' overlay now sends to {new} (host {self.spare[n]})"
                                + (f" instead of {old}" if old and old != new else
                                   ", the address its old host had too" if old else ""))
         if self.holds_net and self.staying:
-            self.gather(Op.NET_RELEASE, {}, deadline, nodes=self.staying)
+            self.gather(Op.NET_RELEASE, NoArgs(), deadline, nodes=self.staying)
 
     def _post_staying(self, ok: bool, problems: Sequence[str] = ()) -> None:
         gen = max(0, self.rebuild_gen - RESTORE_GEN_MARGIN)
@@ -235,11 +253,11 @@ class MigrateRun(SnapshotRun):
 
     def rebuild(self, deadline: float) -> None:
         gen = self.rebuild_gen
-        out = self.gather(Op.RESUME, {"gen": gen}, deadline, nodes=self.staying)
+        out: Outcome[ResumeData] = self.gather(Op.RESUME, GenArgs(gen=gen), deadline, nodes=self.staying)
         uids: dict[str, str] = {}
         for d in out.ok.values():
-            uids.update({str(k): str(v) for k, v in (d.get("uids") or {}).items()})
-        need = {n: [str(i) for i in d.get("need") or ()] for n, d in out.ok.items()}
+            uids.update({str(k): str(v) for k, v in d["uids"].items()})
+        need = {n: [str(i) for i in d["need"]] for n, d in out.ok.items()}
         base = f"attempt/{self.attempt}/"
         prefix = f"{base}uid/{gen}/"
         if uids:
@@ -258,9 +276,9 @@ class MigrateRun(SnapshotRun):
                 raise CaptureFailed("the NCCL communicators could not be rebuilt across nodes",
                                     "no fresh id from the spare for communicator(s) " + ", ".join(wanted),
                                     "see the host daemon's log on the spare")
-        self.gather(Op.RELAY, lambda n: {"gen": gen, "uids": {i: uids[i] for i in need.get(n, [])}}, deadline,
+        self.gather(Op.RELAY, lambda n: RelayArgs(gen=gen, uids={i: uids[i] for i in need.get(n, [])}), deadline,
                     nodes=self.staying)
-        self.gather(Op.RUN, {"gen": self.next_gen()}, deadline, nodes=self.staying)
+        self.gather(Op.RUN, GenArgs(gen=self.next_gen()), deadline, nodes=self.staying)
         self.resumed = True
         self.at_cut = False
 
@@ -303,7 +321,7 @@ class MigrateRun(SnapshotRun):
                 self.rebuild(deadline)
             with self.phases.phase("restored"):
                 self.wait_restored(deadline)
-            out = self.gather(Op.FINISH, {}, time.monotonic() + self.cfg.rollback_s, tolerant=True,
+            out = self.gather(Op.FINISH, NoArgs(), time.monotonic() + self.cfg.rollback_s, tolerant=True,
                               nodes=self.staying)
             for f in out.failed:
                 self.catalog.event("migrate", f"node {f.node}: {f.why}", job=self.job, snapshot=self.sid)
@@ -342,7 +360,7 @@ class MigrateRun(SnapshotRun):
         self.rolling_back = True
         self.catalog.event("error", f"{err.what}: {err.why}" if err.why else err.what, job=self.job,
                            snapshot=self.sid)
-        out = self.gather(Op.END, {"reason": f"migration {self.sid} failed past its point of no return"},
+        out = self.gather(Op.END, EndArgs(reason=f"migration {self.sid} failed past its point of no return"),
                           time.monotonic() + self.cfg.rollback_s, tolerant=True, nodes=self.staying)
         problems = [f"node {f.node}: {f.why}" for f in out.failed]
         err.details["rollback_problems"] = problems

@@ -50,6 +50,11 @@ end         reason                                            (the workers ended
 
 ``gen``: the first NCCL command generation the agent may write for this command; it may use ``gen`` up to
 ``gen + GEN_STRIDE - 1`` (resume's REBUILD is exactly ``gen``, so that relayed ids match on every node).
+
+Each op's ``args`` and ``data`` have a ``TypedDict`` here (``PAYLOADS``: op -> both): the coordinator builds its
+commands and reads the answers through them, and the node reads its commands and builds its answers through
+them. They are types only: the JSON is plain objects as before. A key that an older peer may leave out, or that
+only some answers carry, is ``NotRequired`` (read with ``.get`` and its default); every other key is always sent.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict, TypeVar
 
 from cryosleep.core.interceptor import MAX_PEERS, CommSlot
 from cryosleep.cut.rules import CommTarget, RankView, zeros
@@ -101,6 +106,157 @@ class Mode(enum.StrEnum):
     MIGRATE = "migrate"  # the coordinator's only: its nodes are told stop (moving) or keep-running (staying)
 
 
+# ---- each op's args and data (types only: on the wire they are plain JSON objects) ----------------------------
+
+class NoArgs(TypedDict):
+    """net_hold, net_release, stop, finish."""
+
+
+class NoData(TypedDict):
+    """net_hold, net_release, relay, run, end."""
+
+
+class PrepareArgs(TypedDict):
+    mode: str  # a Mode's value: the node's own (a migration tells each node stop or keep-running)
+    rehearsal: NotRequired[bool]  # sent only when true
+
+
+class PrepareData(TypedDict):
+    ranks: list[int]
+    gen: int  # the largest NCCL generation seen
+    facts: dict[str, Any]  # the host's facts (capture.snapshot.host_facts)
+    net: NotRequired[bool]  # a job network to hold while the nodes are dumped (an older agent: assume so)
+    learns: NotRequired[bool]  # its overlay's peers follow the coordinator's board (a migration reads it)
+
+
+class HoldArgs(TypedDict):
+    gen: int
+    hold_s: float  # how long the interceptors may hold
+
+
+class ReportArgs(TypedDict):
+    round: int
+    wait_s: NotRequired[float]  # how long to let the ranks move first (default 0)
+
+
+class CommTargetJson(TypedDict):
+    coll: int
+    pairs: list[list[int]]  # [send peer, recv peer, count]
+
+
+class TargetsArgs(TypedDict):
+    round: int
+    targets: dict[str, CommTargetJson]  # communicator ident (hex) -> its targets; only those the node holds
+
+
+class ViewJson(TypedDict):
+    """One rank's counters (view_to_json; view_from_json also reads protocol 1's, where some were missing)."""
+
+    rank: int
+    held: int
+    busy: int
+    in_group: int
+    targets_gen: int
+    settled_gen: int
+    settled: bool
+    premul_live: int
+    comms: list[list[Any]]  # slot_to_json of each communicator slot
+
+
+class ViewsData(TypedDict):
+    """hold, report, targets."""
+
+    views: list[ViewJson]
+
+
+class GenArgs(TypedDict):
+    """quiesce, resume (its REBUILD generation, the same on all nodes), run."""
+
+    gen: int
+
+
+class QuiesceData(TypedDict):
+    records: list[dict[str, Any]]  # the interceptors at the cut (the manifest's NCCL ranks)
+
+
+class CaptureArgs(TypedDict):
+    mode: str
+    gen: int
+
+
+class PhasesData(TypedDict):
+    """capture."""
+
+    phases: dict[str, float]
+
+
+class ResumeData(TypedDict):
+    uids: dict[str, str]  # communicator ident (hex) -> the fresh id this node's rank-0 member published (hex)
+    need: list[str]  # the communicators whose fresh id this node needs from another node (hex idents)
+
+
+class RelayArgs(TypedDict):
+    gen: int
+    uids: dict[str, str]  # ident (hex) -> fresh id (hex), those the node said it needs
+
+
+class PersistArgs(TypedDict):
+    mode: str
+    timeout_s: NotRequired[float]  # the verify's bound (default: the command's budget)
+    verify: NotRequired[bool]  # default true
+
+
+class PersistData(TypedDict):
+    image: dict[str, Any]  # an ImageRef (ImageRef.from_json reads it, and names what is missing)
+    phases: NotRequired[dict[str, float]]
+
+
+class StopData(TypedDict):
+    image: NotRequired[str]  # the local snapshot id (absent when the node had stopped already)
+
+
+class AbortArgs(TypedDict):
+    at_cut: bool  # the cut was reached: the ranks stay quiesced for the resume that follows
+    gen: int
+
+
+class AbortData(TypedDict):
+    # running; quiesced (at the cut, for the resume); exited (the workers are gone); unknown (at_cut, and the
+    # node never saw the snapshot)
+    state: Literal["running", "quiesced", "exited", "unknown"]
+
+
+class EndArgs(TypedDict):
+    reason: str
+
+
+class NetPeersArgs(TypedDict):
+    old: str  # the moved node's old underlay address ("" for this host)
+    new: str  # its new one ("" for this host)
+    nodes: list[int]  # the node ranks that moved (for the log)
+
+
+class NetPeersData(TypedDict):
+    peers: list[str]
+
+
+class FinishData(TypedDict):
+    problems: NotRequired[list[str]]  # what the undo of the staging left (absent: finished here already)
+
+
+PAYLOADS: dict[Op, tuple[type, type]] = {
+    Op.PREPARE: (PrepareArgs, PrepareData), Op.HOLD: (HoldArgs, ViewsData), Op.REPORT: (ReportArgs, ViewsData),
+    Op.TARGETS: (TargetsArgs, ViewsData), Op.QUIESCE: (GenArgs, QuiesceData), Op.NET_HOLD: (NoArgs, NoData),
+    Op.CAPTURE: (CaptureArgs, PhasesData), Op.NET_RELEASE: (NoArgs, NoData), Op.RESUME: (GenArgs, ResumeData),
+    Op.RELAY: (RelayArgs, NoData), Op.RUN: (GenArgs, NoData), Op.PERSIST: (PersistArgs, PersistData),
+    Op.STOP: (NoArgs, StopData), Op.ABORT: (AbortArgs, AbortData), Op.END: (EndArgs, NoData),
+    Op.NET_PEERS: (NetPeersArgs, NetPeersData), Op.FINISH: (NoArgs, FinishData)}
+"""Each op's ``args`` and ``data`` types (the unit test builds and round-trips every one)."""
+
+ArgsT = TypeVar("ArgsT", bound=Mapping[str, Any])  # an op handler's args (one of PAYLOADS' first types)
+DataT = TypeVar("DataT", bound=Mapping[str, Any])  # ... and its data
+
+
 @dataclass(frozen=True)
 class Command:
     id: str
@@ -109,7 +265,7 @@ class Command:
     op: Op
     budget_s: float
     deadline: float
-    args: dict[str, Any] = field(default_factory=dict)
+    args: Mapping[str, Any] = field(default_factory=dict)  # the op's args (PAYLOADS; its reader casts)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "snapshot": self.snapshot, "job": self.job, "op": str(self.op),
@@ -131,7 +287,7 @@ class Result:
     snapshot: str
     op: Op
     ok: bool
-    data: dict[str, Any] = field(default_factory=dict)
+    data: Mapping[str, Any] = field(default_factory=dict)  # the op's data (PAYLOADS)
     error: dict[str, Any] | None = None
     seconds: float = 0.0
 
@@ -151,7 +307,7 @@ class Result:
                                 "the agent and the coordinator speak different protocol versions?") from e
 
     @classmethod
-    def success(cls, cmd: Command, data: dict[str, Any], seconds: float) -> Result:
+    def success(cls, cmd: Command, data: Mapping[str, Any], seconds: float) -> Result:
         return cls(cmd.id, cmd.snapshot, cmd.op, True, data, None, seconds)
 
     @classmethod
@@ -294,7 +450,7 @@ def _slot_from_dict(d: Mapping[str, Any]) -> CommSlot:
                     _dense(d.get("recv_target"), n))
 
 
-def view_to_json(v: RankView) -> dict[str, Any]:
+def view_to_json(v: RankView) -> ViewJson:
     return {"rank": v.rank, "held": v.held, "busy": v.busy, "in_group": v.in_group, "targets_gen": v.targets_gen,
             "settled_gen": v.settled_gen, "settled": v.settled, "premul_live": v.premul_live,
             "comms": [slot_to_json(s) for s in v.comms]}
@@ -315,7 +471,7 @@ def views_from_json(data: Mapping[str, Any]) -> list[RankView]:
                             "the agent and the coordinator speak different protocol versions?") from e
 
 
-def targets_to_json(targets: Mapping[int, CommTarget]) -> dict[str, Any]:
+def targets_to_json(targets: Mapping[int, CommTarget]) -> dict[str, CommTargetJson]:
     return {ident_hex(i): {"coll": t.coll, "pairs": [[a, b, n] for (a, b), n in sorted(t.pairs.items())]}
             for i, t in targets.items()}
 
