@@ -25,14 +25,15 @@ takes the first result for an id and ignores the rest. The operations are also w
 repeated under a new id: each names the state to reach ("targets of round 3", "running"), not a toggle, and
 ``abort`` of a snapshot an agent never saw answers ok.
 
-Operations, in the order a snapshot uses them (``args`` -> ``data``):
+Operations, in the order a snapshot uses them (``args`` -> ``data``; ``[key]``: ``NotRequired``):
 
 ==========  ================================================  ====================================================
 op          args                                              data (on success)
 ==========  ================================================  ====================================================
-prepare     mode                                              ranks, gen (largest NCCL generation seen), facts
+prepare     mode [rehearsal]                                  ranks, gen (largest NCCL generation seen), facts
+                                                              [net, learns]
 hold        gen, hold_s (how long the interceptors may hold)  views: every local rank held, its counters
-report      round                                             views (fresh counters)
+report      round [wait_s]                                    views (fresh counters)
 targets     round, targets (only communicators it holds)      views, read after the ranks answered the targets
 quiesce     gen                                               records (the interceptors at the cut)
 net_hold    -                                                 (keep-running: no frame crosses between nodes)
@@ -41,11 +42,13 @@ net_release -                                                 (the job network c
 resume      gen (the REBUILD generation, the same on all)     uids {ident: hex} it published, need [ident]
 relay       gen, uids {ident: hex}                            (every local rank answered RUNNING(gen))
 run         gen                                               (the gates are open)
-persist     mode                                              image (an ImageRef: reference, bytes, sha256...), phases
-stop        -                                                 (the workers ended; the job lives in the snapshot)
-abort       at_cut, gen                                       state: "running" or "quiesced"
+persist     mode [timeout_s, verify]                          image (an ImageRef: reference, bytes, sha256...), [phases]
+stop        -                                                 [image] (the workers ended; the job lives in the snapshot)
+abort       at_cut, gen                                       state: "running", "quiesced", "exited" or "unknown"
 end         reason                                            (the workers ended: a rollback past the cut could not
                                                               bring every node back, so none is left half-dead)
+net_peers   old, new, nodes (a migration's staying node)      peers (its overlay's, now with the moved node's host)
+finish      - (a migration's staying node)                    [problems] (the staging begun at prepare removed)
 ==========  ================================================  ====================================================
 
 ``gen``: the first NCCL command generation the agent may write for this command; it may use ``gen`` up to
