@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cryosleep.capture import orphans
+from cryosleep.core import proctree
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_the_action_records_the_init_at_setup_namespaces_only(marks: orphans.Mar
         _record(marks, init.pid, "pre-restore")
         assert not Path(marks.root_file).exists()
         _record(marks, init.pid)
-        assert orphans.recorded_root(marks) == (init.pid, orphans.start_time(init.pid))
+        assert orphans.recorded_root(marks) == (init.pid, proctree.start_time(init.pid))
     finally:
         init.kill()
         init.wait()
@@ -78,7 +79,7 @@ def test_end_kills_the_marked_and_the_recorded_init_and_nothing_else(marks: orph
 def test_a_recorded_pid_now_another_process_is_left_alone(marks: orphans.Marks) -> None:
     p = _sleeper()
     try:
-        Path(marks.root_file).write_text(f"{p.pid} {orphans.start_time(p.pid) - 1}\n")
+        Path(marks.root_file).write_text(f"{p.pid} {int(proctree.start_time(p.pid)) - 1}\n")
         assert orphans.recorded_root(marks) is None
         assert orphans.end(marks) == []
         assert p.poll() is None

@@ -72,7 +72,6 @@ BOARD_RETRY_FOR_S = 30.0  # how long a post that waits on nothing else is tried
 FENCE_GRACE_S = 180.0  # past a snapshot's deadline by this much, a node still at its cut ends its workers
 FENCE_QUIET_S = 30.0  # ... provided its coordinator has sent it nothing for this long
 FENCE_ENV = "CRYOSLEEP_FENCE_GRACE_S"
-RESTORE_GEN_MARGIN = 16  # the restore's REBUILD generation: this far above any generation the images hold
 NET_REPOST_S = 10.0  # a node of a multi-node run posts its underlay address this often (NetPeers)
 NET_FRESH_S = 35.0  # ... and the other nodes count it as a peer while it is younger than this
 
@@ -665,7 +664,7 @@ class RestoreRendezvous:
             if len(ready) >= self.nnodes:
                 tokens = sorted(v["token"] for v in ready.values())
                 self.attempt = hashlib.sha256(" ".join(tokens).encode()).hexdigest()[:16]
-                self.gen = max(int(v.get("gen") or 0) for v in ready.values()) + RESTORE_GEN_MARGIN
+                self.gen = max(int(v.get("gen") or 0) for v in ready.values()) + msg.RESTORE_GEN_MARGIN
                 self.peers = sorted({str(v["underlay"]) for k, v in ready.items()
                                      if k != f"ready/{self.node_rank}" and v.get("underlay")} - {self.underlay})
                 self.stage = "passed"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cryosleep.capture import criu as criu_calls
+from cryosleep.core import proctree
 
 MARK_ENV = "CRYOSLEEP_RESTORE_MARK"
 ROOT_ENV = "CRYOSLEEP_RESTORE_ROOT"
@@ -77,49 +78,35 @@ class Marks:
         return cls(str(data["token"]), str(data["root_file"]))
 
 
-def start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (clock ticks since boot), None once the process is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(") ", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def recorded_root(marks: Marks) -> tuple[int, int] | None:
+def recorded_root(marks: Marks) -> tuple[int, str] | None:
     """The restored init (PID, start time), if CRIU got as far as recording it and it is still that process."""
     try:
-        pid_s, started_s = Path(marks.root_file).read_text().split()
-        pid, started = int(pid_s), int(started_s)
+        pid_s, started = Path(marks.root_file).read_text().split()
+        pid = int(pid_s)
     except (OSError, ValueError):
         return None
-    return (pid, started) if pid > 1 and start_time(pid) == started else None
+    return (pid, started) if pid > 1 and proctree.start_time(pid) == started else None
 
 
-def marked(marks: Marks) -> list[tuple[int, int]]:
+def marked(marks: Marks) -> list[tuple[int, str]]:
     """Processes whose environment carries this restore's token (CRIU and what it forked, not yet restored):
     (PID, start time), the start time read first so that a PID recycled meanwhile is told apart."""
-    entry = f"{MARK_ENV}={marks.token}".encode()
     found = []
     for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid() or (started := start_time(int(d))) is None:
+        if not d.isdigit() or int(d) == os.getpid() or not (started := proctree.start_time(int(d))):
             continue
-        try:
-            env = Path(f"/proc/{d}/environ").read_bytes()
-        except OSError:
-            continue
-        if entry in env.split(b"\0"):
+        if proctree.environ(int(d)).get(MARK_ENV) == marks.token:
             found.append((int(d), started))
     return found
 
 
-def _open(pid: int, started: int) -> int | None:
+def _open(pid: int, started: str) -> int | None:
     """A pidfd of ``pid``, if it is still the process first seen (its start time unchanged)."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
         return None
-    if start_time(pid) != started:
+    if proctree.start_time(pid) != started:
         os.close(fd)
         return None
     return fd

@@ -43,6 +43,7 @@ from cryosleep.coordinator.machine import MachineConfig, Outcome, SnapshotRun
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.placement import Placements
 from cryosleep.coordinator.protocol import (
+    RESTORE_GEN_MARGIN,
     CaptureArgs,
     EndArgs,
     GenArgs,
@@ -61,10 +62,6 @@ from cryosleep.coordinator.protocol import (
 from cryosleep.coordinator.rendezvous import Board
 from cryosleep.errors import CaptureFailed, CryosleepError, ProtocolError
 
-# A restore's REBUILD generation is this far above the highest posted at its barrier (agent/coordinated.py's
-# constant of that name): the staying nodes' entry is posted that far below the generation this run rebuilds at,
-# so that every node of the job rebuilds at the same one.
-RESTORE_GEN_MARGIN = 16
 REPOST_S = 5.0  # the staying nodes' entry at the barrier is posted again this often (the spare counts it 30 s)
 
 

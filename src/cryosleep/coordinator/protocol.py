@@ -97,6 +97,12 @@ class Op(enum.StrEnum):
     FINISH = "finish"  # a migration's staying node: the snapshot is over there, nothing captured
 
 
+# A restore's REBUILD generation is this far above any generation its images hold (agent/coordinated.py's
+# RestoreRendezvous); a migration's staying nodes post theirs that far below the one it rebuilds at, so that every
+# node of the job rebuilds at the same one (coordinator/migrate.py)
+RESTORE_GEN_MARGIN = 16
+
+
 def net_board(run_id: str) -> str:
     """The coordinator's board where the nodes of one multi-node run post their underlay addresses (the agents'
     NetPeers; a migration writes a moved node's new address there)."""
