@@ -31,7 +31,7 @@ from typing import Any
 
 from cryosleep.coordinator.client import AgentRunner, Registration
 from cryosleep.coordinator.machine import PHASE_OF
-from cryosleep.coordinator.protocol import Command, Op, ident_hex, targets_from_json, view_to_json
+from cryosleep.coordinator.protocol import Command, Op, drain_answer, ident_hex, targets_from_json
 from cryosleep.core.interceptor import MAX_PEERS, CommSlot, Rebuild, SlotState, WaitKind
 from cryosleep.cut.rules import RankView
 from cryosleep.errors import CaptureFailed, NotEligible
@@ -229,7 +229,7 @@ class SimNode:
         now = time.monotonic()
         for rk in self.ranks:
             self.world.advance(rk, now)
-        return {"views": [view_to_json(self.world.view(rk)) for rk in self.ranks]}
+        return dict(drain_answer([self.world.view(rk) for rk in self.ranks]))  # the real agent's summary
 
     def ops_of(self, sid: str) -> list[str]:
         with self.lock:

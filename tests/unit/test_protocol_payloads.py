@@ -4,24 +4,38 @@ key added to a type without a sample (or a sample key the type lacks) fails."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from cryosleep.coordinator import protocol as p
 from cryosleep.coordinator.protocol import Command, ImageRef, Op, Result
+from cryosleep.core.interceptor import CommSlot, Rebuild, SlotState, WaitKind
 from cryosleep.cut.rules import CommTarget, RankView
+from cryosleep.cut.summary import summarize
 
 _VIEW = p.view_to_json(RankView(rank=3, comms=(), held=1, targets_gen=8, settled_gen=8, settled=True))
+_SLOT = CommSlot(index=0, state=SlotState.LIVE, vid=1, ident=0xFEDCBA9876543210, rank=1, nranks=2, parent_vid=0,
+                 color=0, key=0, rebuild=Rebuild.FROM_ID, flags=0, device=-1, seq=5, coll_target=5, uid_gen=0,
+                 waiting=1, waiting_kind=WaitKind.SEND, waiting_peer=0, send=(2, 0), recv=(1, 0),
+                 send_target=(2, 0), recv_target=(2, 0))
+# a summary with every key: pairs, held calls, a finalized slot, written pair targets, an operator alive
+_STUCK = RankView(rank=5, comms=(_SLOT,), held=1, targets_gen=3, settled_gen=3, settled=False, premul_live=1)
+_OTHER = RankView(rank=6, held=1, targets_gen=3, settled_gen=3, comms=(
+    dataclasses.replace(_SLOT, state=SlotState.FINALIZED, rank=0, send=(0, 0), recv=(0, 0), recv_target=(0, 0)),
+    dataclasses.replace(_SLOT, index=1, ident=7, rank=0, nranks=1, seq=3, coll_target=4, waiting_kind=WaitKind.COLL,
+                        send=(0,), recv=(0,), send_target=(0,), recv_target=(0,))))
+_SUMMARY = p.summary_to_json(summarize([_STUCK, _OTHER]))
 _IMAGE = ImageRef("job-1", 4096, "ab" * 32, "/var/lib/cryosleep/store", "node-1", None, 0.5, ("GPU",)).to_json()
 
 # op -> (args, data): each with every key its type has, required and not
 SAMPLES: dict[Op, tuple[Any, Any]] = {
     Op.PREPARE: (p.PrepareArgs(mode="keep-running", rehearsal=True),
                  p.PrepareData(ranks=[0, 1], gen=24, facts={"host": "n1"}, net=False, learns=True)),
-    Op.HOLD: (p.HoldArgs(gen=32, hold_s=45.5), p.ViewsData(views=[_VIEW])),
-    Op.REPORT: (p.ReportArgs(round=2, wait_s=0.02), p.ViewsData(views=[_VIEW])),
+    Op.HOLD: (p.HoldArgs(gen=32, hold_s=45.5), p.DrainData(summary=_SUMMARY, views=[_VIEW])),
+    Op.REPORT: (p.ReportArgs(round=2, wait_s=0.02), p.DrainData(summary=_SUMMARY, views=[])),
     Op.TARGETS: (p.TargetsArgs(round=3, targets=p.targets_to_json({0xFEDCBA9876543210: CommTarget(4, {(0, 1): 2})})),
-                 p.ViewsData(views=[_VIEW, _VIEW])),
+                 p.DrainData(summary=_SUMMARY, views=[_VIEW, _VIEW])),
     Op.QUIESCE: (p.GenArgs(gen=40), p.QuiesceData(records=[{"rank": 0, "seq": {"fedcba9876543210": 17}}])),
     Op.NET_HOLD: (p.NoArgs(), p.NoData()),
     Op.CAPTURE: (p.CaptureArgs(mode="stop", gen=48), p.PhasesData(phases={"dump": 1.25, "cuda": 0.5})),
@@ -83,5 +97,12 @@ def test_the_encoders_write_the_typed_shapes() -> None:
     assert set(_VIEW) == _keys(p.ViewJson)
     t = p.targets_to_json({1: CommTarget(2, {(0, 1): 3})})
     assert all(set(v) == _keys(p.CommTargetJson) for v in t.values())
+    # a summary writes every key of its types (the sample has them all), and reads back as it was
+    assert set(_SUMMARY) == _keys(p.SummaryJson)
+    assert {k for c in _SUMMARY["comms"].values() for k in c} == _keys(p.CommSummaryJson)
+    assert p.summary_from_json(json.loads(json.dumps(_SUMMARY))) == summarize([_STUCK, _OTHER])
+    # an answer of protocol 2 (views) is summarized by the reader, the same
+    assert p.drain_summary({"views": [p.view_to_json(_STUCK)]}) == summarize([_STUCK])
+    assert p.drain_summary(p.drain_answer([_STUCK])) == summarize([_STUCK])
     # the image an answer carries reads back as the reference it was
     assert ImageRef.from_json(SAMPLES[Op.PERSIST][1]["image"]).ref == "job-1"

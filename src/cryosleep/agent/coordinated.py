@@ -8,9 +8,9 @@ operation is one step of ``capture.snapshot.NodeCapture``, except the drain's de
 takes over every rank of every node, and the rebuild's id relay, which crosses nodes through it::
 
     prepare      preflight (refuse with reasons, nothing touched), outbound drain, fast-path staging
-    hold         HOLD(gen) on the local ranks                             -> their counters
-    report       (the ranks move on their own)                            -> their counters
-    targets      the targets the coordinator decided, written; answers awaited -> their counters
+    hold         HOLD(gen) on the local ranks                             -> their counters, summed up
+    report       (the ranks move on their own)                            -> their counters, summed up
+    targets      the targets the coordinator decided, written; answers awaited -> their counters, summed up
     quiesce      QUIESCE(gen); the fast path's device memory out
     net_hold     (keep-running) the sandbox's port on the job network disabled
     capture      CUDA checkpoint + CRIU dump (keep-running: CUDA and device memory back at once)
@@ -53,7 +53,6 @@ from cryosleep.coordinator.protocol import (
     local_deadline,
     net_board,
     targets_from_json,
-    view_to_json,
 )
 from cryosleep.core.interceptor import Cmd
 from cryosleep.cut.driver import HOLD_GRACE_S, Driver
@@ -204,8 +203,8 @@ class CoordinatedNode:
     def _gen(self, nccl: Driver, cmd: Command) -> None:
         nccl.gen = int(cmd.args["gen"]) - 1  # the next command written is exactly ``gen``
 
-    def _views(self, nccl: Driver | None) -> msg.ViewsData:
-        return {"views": [view_to_json(v) for v in nccl.views()] if nccl is not None else []}
+    def _views(self, nccl: Driver | None) -> msg.DrainData:
+        return msg.drain_answer(nccl.views() if nccl is not None else [])
 
     def _end(self, how: str) -> None:
         """The snapshot is over on this node: its state dropped, local snapshots allowed again."""
@@ -293,10 +292,10 @@ class CoordinatedNode:
                 "net": bool(agent.spec.net),  # a job network to hold while the nodes are dumped
                 "learns": agent.learns_peers()}  # its overlay's peers follow the board: a migration needs to know
 
-    def hold(self, cmd: Command) -> msg.ViewsData:
+    def hold(self, cmd: Command) -> msg.DrainData:
         return self._serial(self._hold, cmd)
 
-    def _hold(self, cmd: Command, args: msg.HoldArgs) -> msg.ViewsData:
+    def _hold(self, cmd: Command, args: msg.HoldArgs) -> msg.DrainData:
         cap = self._current(cmd)
         if self.nccl is not None:
             self._gen(self.nccl, cmd)
@@ -304,10 +303,10 @@ class CoordinatedNode:
             self.nccl.hold(cap.deadline)
         return self._views(self.nccl)
 
-    def report(self, cmd: Command) -> msg.ViewsData:
+    def report(self, cmd: Command) -> msg.DrainData:
         return self._serial(self._report, cmd)
 
-    def _report(self, cmd: Command, args: msg.ReportArgs) -> msg.ViewsData:
+    def _report(self, cmd: Command, args: msg.ReportArgs) -> msg.DrainData:
         cap = self._current(cmd)
         if self.nccl is not None:
             time.sleep(min(float(args.get("wait_s", 0.0)), max(0.0, cap.deadline - time.monotonic())))
@@ -315,10 +314,10 @@ class CoordinatedNode:
             self.nccl.check_alive("a consistent cut")
         return self._views(self.nccl)
 
-    def targets(self, cmd: Command) -> msg.ViewsData:
+    def targets(self, cmd: Command) -> msg.DrainData:
         return self._serial(self._targets, cmd)
 
-    def _targets(self, cmd: Command, args: msg.TargetsArgs) -> msg.ViewsData:
+    def _targets(self, cmd: Command, args: msg.TargetsArgs) -> msg.DrainData:
         cap = self._current(cmd)
         if self.nccl is None:
             return self._views(None)
@@ -326,7 +325,7 @@ class CoordinatedNode:
         self.nccl.check_alive("a consistent cut")
         views = self.nccl.apply_targets(targets_from_json(args["targets"]),
                                         min(cap.deadline, time.monotonic() + TARGETS_WAIT_S))
-        return {"views": [view_to_json(v) for v in views]}
+        return msg.drain_answer(views)
 
     def quiesce(self, cmd: Command) -> msg.QuiesceData:
         return self._serial(self._quiesce, cmd)

@@ -8,9 +8,10 @@ operations are the capture steps of ``capture/snapshot.py``.
 ::
 
     prepare    every agent checks eligibility (nothing touched) ............................. refused: failed
-    drain      HOLD on every rank of every node, then rounds: all ranks' counters -> cut.rules.decide over
-               the whole job -> per-communicator targets to every node -> fresh counters, until every member
-               of every communicator issued the same calls (DONE) or the deadline (GIVE_UP)
+    drain      HOLD on every rank of every node, then rounds: each node's summary of its ranks' counters
+               (cut.summary) -> combined, cut.summary.decide_nodes over the whole job -> per-communicator
+               targets to every node -> fresh summaries, until every member of every communicator issued the
+               same calls (DONE) or the deadline (GIVE_UP)
     quiesce    (at_cut recorded first) every rank destroys its real NCCL communicators
     capture    every node: CUDA checkpoint + CRIU dump, staged locally (keep-running: leave running, with the
                job network held on every node from before the first dump to after the last; stop: leave
@@ -53,6 +54,7 @@ from cryosleep.coordinator.protocol import (
     AbortArgs,
     AbortData,
     CaptureArgs,
+    DrainData,
     EndArgs,
     GenArgs,
     HoldArgs,
@@ -68,12 +70,13 @@ from cryosleep.coordinator.protocol import (
     ReportArgs,
     ResumeData,
     TargetsArgs,
-    ViewsData,
+    drain_summary,
     targets_for,
     targets_to_json,
-    views_from_json,
 )
-from cryosleep.cut.rules import Action, Decision, RankView, Targets, to_cut
+from cryosleep.cut.summary import NodeSummary, combine
+from cryosleep.cut.summary import drain as drain_cut
+from cryosleep.cut.views import Action, Decision, Targets
 from cryosleep.errors import CaptureFailed, CryosleepError, ProtocolError
 from cryosleep.timing import Phases
 
@@ -238,28 +241,27 @@ class SnapshotSequence:
     def drain(self) -> Decision:
         gen = self.next_gen()
         hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
-        out: Outcome[ViewsData] = self.gather(Op.HOLD, HoldArgs(gen=gen, hold_s=hold_s), self.deadline)
-        views = {n: views_from_json(d) for n, d in out.ok.items()}
+        out: Outcome[DrainData] = self.gather(Op.HOLD, HoldArgs(gen=gen, hold_s=hold_s), self.deadline)
+        sums = {n: drain_summary(d) for n, d in out.ok.items()}
 
-        def ask(round_: int, targets: Targets | None) -> list[RankView]:
-            """One round on every node: its share of the targets written, or a short wait; their fresh views."""
+        def ask(round_: int, targets: Targets | None) -> NodeSummary:
+            """One round on every node: its share of the targets written, or a short wait; their summaries."""
             self.rounds = round_
             if targets is not None:
-                idents = {n: {s.ident for v in views[n] for s in v.comms} for n in self.nodes}
-                per_node = {n: TargetsArgs(round=round_, targets=targets_to_json(targets_for(targets, idents[n])))
-                            for n in self.nodes}
-                got: Outcome[ViewsData] = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
+                per_node = {n: TargetsArgs(round=round_, targets=targets_to_json(
+                    targets_for(targets, set(sums[n].comms)))) for n in self.nodes}
+                got: Outcome[DrainData] = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
             else:
                 got = self.gather(Op.REPORT, ReportArgs(round=round_, wait_s=self.cfg.report_wait_s), self.deadline)
-            views.update({n: views_from_json(d) for n, d in got.ok.items()})
-            return [v for n in self.nodes for v in views[n]]
+            sums.update({n: drain_summary(d) for n, d in got.ok.items()})
+            return combine(sums[n] for n in self.nodes)
 
-        d, every, _ = to_cut([v for n in self.nodes for v in views[n]], ask, self.deadline, time.monotonic)
+        d, _ = drain_cut(combine(sums[n] for n in self.nodes), ask, self.deadline, time.monotonic)
         self.cut = d
         if d.action is Action.GIVE_UP:
             raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
                                 "every node was resumed; snapshot again later, or with a longer --timeout",
-                                ranks=sorted({v.rank for v in every if not (v.answered and v.settled)}))
+                                ranks=list(d.unsettled))
         self.catalog.event("cut", f"{d.reason}, after {self.rounds} round(s)", job=self.job, snapshot=self.sid)
         return d
 

@@ -32,9 +32,10 @@ op          args                                              data (on success)
 ==========  ================================================  ====================================================
 prepare     mode [rehearsal]                                  ranks, gen (largest NCCL generation seen), facts
                                                               [net, learns]
-hold        gen, hold_s (how long the interceptors may hold)  views: every local rank held, its counters
-report      round [wait_s]                                    views (fresh counters)
-targets     round, targets (only communicators it holds)      views, read after the ranks answered the targets
+hold        gen, hold_s (how long the interceptors may hold)  summary: the local ranks held, their counters summed
+                                                              up (cut.summary.summarize)
+report      round [wait_s]                                    summary (of fresh counters)
+targets     round, targets (only communicators it holds)      summary, read after the ranks answered the targets
 quiesce     gen                                               records (the interceptors at the cut)
 net_hold    -                                                 (keep-running: no frame crosses between nodes)
 capture     mode, gen                                         phases (CUDA checkpoint, CRIU dump, staged locally)
@@ -51,6 +52,11 @@ net_peers   old, new, nodes (a migration's staying node)      peers (its overlay
 finish      - (a migration's staying node)                    [problems] (the staging begun at prepare removed)
 ==========  ================================================  ====================================================
 
+The drain's answers (hold, report, targets) carry one ``summary`` per node (``SummaryJson``: per communicator its
+maxima, what the node's held ranks wait to issue, the targets written, its members; the unsettled ranks; a
+line or two on why), not every rank's counters; an agent of protocol 2 answers ``views`` (every rank's
+counters), which the coordinator summarizes itself (``drain_summary``).
+
 ``gen``: the first NCCL command generation the agent may write for this command; it may use ``gen`` up to
 ``gen + GEN_STRIDE - 1`` (resume's REBUILD is exactly ``gen``, so that relayed ids match on every node).
 
@@ -64,15 +70,18 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict, TypeVar
 
 from cryosleep.core.interceptor import MAX_PEERS, CommSlot
-from cryosleep.cut.rules import CommTarget, RankView, zeros
+from cryosleep.cut.summary import CommSummary, NodeSummary, summarize
+from cryosleep.cut.views import CommTarget, RankView, zeros
 from cryosleep.errors import CryosleepError, ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: slots on the wire as lists (protocol.slot_to_json); 1: as named fields (still read)
+# 3: the drain answers per-node summaries (still read: 2's views); 2: slots on the wire as lists
+# (protocol.slot_to_json); 1: as named fields (still read)
+PROTOCOL_VERSION = 3
 GEN_STRIDE = 8  # generations reserved per command (HOLD + QUIESCE of a re-quiesce, REBUILD + RUN, ...)
 API = "/v1"
 
@@ -172,10 +181,39 @@ class ViewJson(TypedDict):
     comms: list[list[Any]]  # slot_to_json of each communicator slot
 
 
-class ViewsData(TypedDict):
+class CommSummaryJson(TypedDict):
+    """One communicator of a node's summary (``cut.summary.CommSummary``); lists of ranks as runs."""
+
+    n: list[int]  # the sizes (nranks) its slots report
+    c: int  # the largest collective count
+    m: list[list[int]]  # members: runs [first comm rank, how many, per-peer list length]
+    h: list[list[int]]  # the job ranks of its slots: runs [first, how many]
+    k: list[int]  # the rebuild kinds of its live slots
+    w: list[int]  # the collective targets written on its slots
+    p: NotRequired[list[list[int]]]  # [sender, receiver, largest count] (absent: none)
+    hc: NotRequired[list[int]]  # [largest seq a held collective waits at, its lowest job rank]
+    hp: NotRequired[list[list[int]]]  # [sender, receiver, largest held count, its lowest job rank]
+    f: NotRequired[list[int]]  # the job ranks of its finalized slots
+    wp: NotRequired[list[list[int]]]  # [sender, receiver, target written, slot sides holding it]
+
+
+class SummaryJson(TypedDict):
+    """A node's summary of its ranks' counters (``cut.summary.NodeSummary``)."""
+
+    ranks: int
+    calls: int
+    comms: dict[str, CommSummaryJson]  # communicator ident (hex) -> its part
+    unsettled: list[int]
+    stuck: list[int]
+    lag: list[list[Any]]  # [job rank, why it has not settled] for the lowest few
+    premul: NotRequired[list[list[int]]]  # [job rank, user reduction operators alive] (absent: none)
+
+
+class DrainData(TypedDict):
     """hold, report, targets."""
 
-    views: list[ViewJson]
+    summary: NotRequired[SummaryJson]  # protocol 3
+    views: NotRequired[list[ViewJson]]  # protocol 2's answer: every rank's counters (summarized by the reader)
 
 
 class GenArgs(TypedDict):
@@ -254,8 +292,8 @@ class FinishData(TypedDict):
 
 
 PAYLOADS: dict[Op, tuple[type, type]] = {
-    Op.PREPARE: (PrepareArgs, PrepareData), Op.HOLD: (HoldArgs, ViewsData), Op.REPORT: (ReportArgs, ViewsData),
-    Op.TARGETS: (TargetsArgs, ViewsData), Op.QUIESCE: (GenArgs, QuiesceData), Op.NET_HOLD: (NoArgs, NoData),
+    Op.PREPARE: (PrepareArgs, PrepareData), Op.HOLD: (HoldArgs, DrainData), Op.REPORT: (ReportArgs, DrainData),
+    Op.TARGETS: (TargetsArgs, DrainData), Op.QUIESCE: (GenArgs, QuiesceData), Op.NET_HOLD: (NoArgs, NoData),
     Op.CAPTURE: (CaptureArgs, PhasesData), Op.NET_RELEASE: (NoArgs, NoData), Op.RESUME: (GenArgs, ResumeData),
     Op.RELAY: (RelayArgs, NoData), Op.RUN: (GenArgs, NoData), Op.PERSIST: (PersistArgs, PersistData),
     Op.STOP: (NoArgs, StopData), Op.ABORT: (AbortArgs, AbortData), Op.END: (EndArgs, NoData),
@@ -477,6 +515,93 @@ def views_from_json(data: Mapping[str, Any]) -> list[RankView]:
         return [view_from_json(v) for v in data.get("views") or ()]
     except (KeyError, ValueError, TypeError) as e:
         raise ProtocolError("an agent sent malformed NCCL counters", f"{type(e).__name__}: {e}",
+                            "the agent and the coordinator speak different protocol versions?") from e
+
+
+def _runs(xs: tuple[int, ...]) -> list[list[int]]:
+    """Sorted ranks as runs [first, how many] of consecutive ones (a node's ranks are usually one run)."""
+    out: list[list[int]] = []
+    for x in xs:
+        if out and out[-1][0] + out[-1][1] == x:
+            out[-1][1] += 1
+        else:
+            out.append([x, 1])
+    return out
+
+
+def _member_runs(ms: tuple[tuple[int, int], ...]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for r, n in ms:
+        if out and out[-1][0] + out[-1][1] == r and out[-1][2] == n:
+            out[-1][1] += 1
+        else:
+            out.append([r, 1, n])
+    return out
+
+
+def _comm_to_json(c: CommSummary) -> CommSummaryJson:
+    out: CommSummaryJson = {"n": sorted(c.sizes), "c": c.coll, "m": _member_runs(c.members), "h": _runs(c.holders),
+                            "k": sorted(c.kinds), "w": sorted(c.written_coll)}
+    if c.pairs:
+        out["p"] = [[a, b, n] for (a, b), n in c.pairs.items()]
+    if c.held_coll is not None:
+        out["hc"] = list(c.held_coll)
+    if c.held_pairs:
+        out["hp"] = [[a, b, n, r] for (a, b), (n, r) in c.held_pairs.items()]
+    if c.finalized:
+        out["f"] = list(c.finalized)
+    if c.written_pairs:
+        out["wp"] = [[a, b, v, k] for (a, b), vals in c.written_pairs.items() for v, k in vals.items()]
+    return out
+
+
+def summary_to_json(s: NodeSummary) -> SummaryJson:
+    out: SummaryJson = {"ranks": s.ranks, "calls": s.calls, "comms": {ident_hex(i): _comm_to_json(c)
+                                                                     for i, c in s.comms.items()},
+                        "unsettled": list(s.unsettled), "stuck": list(s.stuck), "lag": [[r, t] for r, t in s.lag]}
+    if s.premul:
+        out["premul"] = [[r, n] for r, n in s.premul]
+    return out
+
+
+def _comm_from_json(d: Mapping[str, Any]) -> CommSummary:
+    written: dict[tuple[int, int], dict[int, int]] = {}
+    for a, b, v, k in d.get("wp") or ():
+        written.setdefault((int(a), int(b)), {})[int(v)] = int(k)
+    hc = d.get("hc")
+    return CommSummary(
+        sizes=frozenset(map(int, d["n"])), coll=int(d["c"]),
+        pairs={(int(a), int(b)): int(n) for a, b, n in d.get("p") or ()},
+        held_coll=(int(hc[0]), int(hc[1])) if hc else None,
+        held_pairs={(int(a), int(b)): (int(n), int(r)) for a, b, n, r in d.get("hp") or ()},
+        members=tuple((int(r) + i, int(n)) for r, k, n in d["m"] for i in range(int(k))),
+        holders=tuple(int(r) + i for r, k in d["h"] for i in range(int(k))),
+        finalized=tuple(map(int, d.get("f") or ())), kinds=frozenset(map(int, d["k"])),
+        written_coll=frozenset(map(int, d["w"])), written_pairs=written)
+
+
+def summary_from_json(d: Mapping[str, Any]) -> NodeSummary:
+    return NodeSummary(ranks=int(d["ranks"]), calls=int(d["calls"]),
+                       comms={_ident(k): _comm_from_json(c) for k, c in sorted(d["comms"].items())},
+                       unsettled=tuple(map(int, d["unsettled"])), stuck=tuple(map(int, d["stuck"])),
+                       lag=tuple((int(r), str(t)) for r, t in d["lag"]),
+                       premul=tuple((int(r), int(n)) for r, n in d.get("premul") or ()))
+
+
+def drain_answer(views: Sequence[RankView]) -> DrainData:
+    """A node's answer to hold, report and targets: the summary of its ranks' views."""
+    return {"summary": summary_to_json(summarize(views))}
+
+
+def drain_summary(data: Mapping[str, Any]) -> NodeSummary:
+    """A node's summary from its answer to hold, report or targets (an agent of protocol 2 sends every rank's
+    views: they are summarized here, by the same rules)."""
+    try:
+        if "summary" in data:
+            return summary_from_json(data["summary"])
+        return summarize(views_from_json(data))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ProtocolError("an agent sent a malformed summary of its NCCL counters", f"{type(e).__name__}: {e}",
                             "the agent and the coordinator speak different protocol versions?") from e
 
 
