@@ -225,11 +225,12 @@ class SimNode:
         finally:
             lock.release()
 
-    def _views(self) -> dict[str, Any]:
+    def _views(self, cmd: Command) -> dict[str, Any]:
         now = time.monotonic()
         for rk in self.ranks:
             self.world.advance(rk, now)
-        return dict(drain_answer([self.world.view(rk) for rk in self.ranks]))  # the real agent's summary
+        # the real agent's answer: its summary, or the views to a coordinator that does not ask for one
+        return dict(drain_answer([self.world.view(rk) for rk in self.ranks], bool(cmd.args.get("summary"))))
 
     def ops_of(self, sid: str) -> list[str]:
         with self.lock:
@@ -262,7 +263,7 @@ class SimNode:
             rk.ready_at = 0.0
             rk.targets_gen += 1
             rk.settled_gen = rk.targets_gen
-        return self._views()
+        return self._views(cmd)
 
     def report(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._report, cmd)
@@ -270,7 +271,7 @@ class SimNode:
     def _report(self, cmd: Command) -> dict[str, Any]:
         self._enter(cmd)
         time.sleep(float(cmd.args.get("wait_s", 0.0)) if self.world.call_s else 0.0)
-        return self._views()
+        return self._views(cmd)
 
     def targets(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._targets, cmd)
@@ -283,7 +284,7 @@ class SimNode:
                 rk.target[ident] = t[ident].coll if ident in t else 0
             rk.targets_gen += 1
             rk.settled_gen = rk.targets_gen
-        return self._views()
+        return self._views(cmd)
 
     def quiesce(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._quiesce, cmd)

@@ -32,9 +32,10 @@ _IMAGE = ImageRef("job-1", 4096, "ab" * 32, "/var/lib/cryosleep/store", "node-1"
 SAMPLES: dict[Op, tuple[Any, Any]] = {
     Op.PREPARE: (p.PrepareArgs(mode="keep-running", rehearsal=True),
                  p.PrepareData(ranks=[0, 1], gen=24, facts={"host": "n1"}, net=False, learns=True)),
-    Op.HOLD: (p.HoldArgs(gen=32, hold_s=45.5), p.DrainData(summary=_SUMMARY, views=[_VIEW])),
-    Op.REPORT: (p.ReportArgs(round=2, wait_s=0.02), p.DrainData(summary=_SUMMARY, views=[])),
-    Op.TARGETS: (p.TargetsArgs(round=3, targets=p.targets_to_json({0xFEDCBA9876543210: CommTarget(4, {(0, 1): 2})})),
+    Op.HOLD: (p.HoldArgs(gen=32, hold_s=45.5, summary=True), p.DrainData(summary=_SUMMARY, views=[_VIEW])),
+    Op.REPORT: (p.ReportArgs(round=2, wait_s=0.02, summary=True), p.DrainData(summary=_SUMMARY, views=[])),
+    Op.TARGETS: (p.TargetsArgs(round=3, summary=True,
+                               targets=p.targets_to_json({0xFEDCBA9876543210: CommTarget(4, {(0, 1): 2})})),
                  p.DrainData(summary=_SUMMARY, views=[_VIEW, _VIEW])),
     Op.QUIESCE: (p.GenArgs(gen=40), p.QuiesceData(records=[{"rank": 0, "seq": {"fedcba9876543210": 17}}])),
     Op.NET_HOLD: (p.NoArgs(), p.NoData()),
@@ -103,6 +104,8 @@ def test_the_encoders_write_the_typed_shapes() -> None:
     assert p.summary_from_json(json.loads(json.dumps(_SUMMARY))) == summarize([_STUCK, _OTHER])
     # an answer of protocol 2 (views) is summarized by the reader, the same
     assert p.drain_summary({"views": [p.view_to_json(_STUCK)]}) == summarize([_STUCK])
-    assert p.drain_summary(p.drain_answer([_STUCK])) == summarize([_STUCK])
+    assert p.drain_summary(p.drain_answer([_STUCK], True)) == summarize([_STUCK])
+    # to a coordinator of protocol 2 (its commands ask for no summary), the views
+    assert p.drain_answer([_STUCK], False) == {"views": [p.view_to_json(_STUCK)]}
     # the image an answer carries reads back as the reference it was
     assert ImageRef.from_json(SAMPLES[Op.PERSIST][1]["image"]).ref == "job-1"

@@ -203,8 +203,8 @@ class CoordinatedNode:
     def _gen(self, nccl: Driver, cmd: Command) -> None:
         nccl.gen = int(cmd.args["gen"]) - 1  # the next command written is exactly ``gen``
 
-    def _views(self, nccl: Driver | None) -> msg.DrainData:
-        return msg.drain_answer(nccl.views() if nccl is not None else [])
+    def _views(self, nccl: Driver | None, summary: bool) -> msg.DrainData:
+        return msg.drain_answer(nccl.views() if nccl is not None else [], summary)
 
     def _end(self, how: str) -> None:
         """The snapshot is over on this node: its state dropped, local snapshots allowed again."""
@@ -301,7 +301,7 @@ class CoordinatedNode:
             self._gen(self.nccl, cmd)
             cap.phases.begin("drain")  # until the quiesce: the rounds, and the coordinator's time between them
             self.nccl.hold(cap.deadline)
-        return self._views(self.nccl)
+        return self._views(self.nccl, args.get("summary", False))
 
     def report(self, cmd: Command) -> msg.DrainData:
         return self._serial(self._report, cmd)
@@ -312,7 +312,7 @@ class CoordinatedNode:
             time.sleep(min(float(args.get("wait_s", 0.0)), max(0.0, cap.deadline - time.monotonic())))
             self.nccl.join_late_ranks(cap.deadline)
             self.nccl.check_alive("a consistent cut")
-        return self._views(self.nccl)
+        return self._views(self.nccl, args.get("summary", False))
 
     def targets(self, cmd: Command) -> msg.DrainData:
         return self._serial(self._targets, cmd)
@@ -320,12 +320,12 @@ class CoordinatedNode:
     def _targets(self, cmd: Command, args: msg.TargetsArgs) -> msg.DrainData:
         cap = self._current(cmd)
         if self.nccl is None:
-            return self._views(None)
+            return self._views(None, args.get("summary", False))
         self.nccl.join_late_ranks(cap.deadline)
         self.nccl.check_alive("a consistent cut")
         views = self.nccl.apply_targets(targets_from_json(args["targets"]),
                                         min(cap.deadline, time.monotonic() + TARGETS_WAIT_S))
-        return msg.drain_answer(views)
+        return msg.drain_answer(views, args.get("summary", False))
 
     def quiesce(self, cmd: Command) -> msg.QuiesceData:
         return self._serial(self._quiesce, cmd)

@@ -241,18 +241,20 @@ class SnapshotSequence:
     def drain(self) -> Decision:
         gen = self.next_gen()
         hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
-        out: Outcome[DrainData] = self.gather(Op.HOLD, HoldArgs(gen=gen, hold_s=hold_s), self.deadline)
+        out: Outcome[DrainData] = self.gather(Op.HOLD, HoldArgs(gen=gen, hold_s=hold_s, summary=True),
+                                              self.deadline)
         sums = {n: drain_summary(d) for n, d in out.ok.items()}
 
         def ask(round_: int, targets: Targets | None) -> NodeSummary:
             """One round on every node: its share of the targets written, or a short wait; their summaries."""
             self.rounds = round_
             if targets is not None:
-                per_node = {n: TargetsArgs(round=round_, targets=targets_to_json(
+                per_node = {n: TargetsArgs(round=round_, summary=True, targets=targets_to_json(
                     targets_for(targets, set(sums[n].comms)))) for n in self.nodes}
                 got: Outcome[DrainData] = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
             else:
-                got = self.gather(Op.REPORT, ReportArgs(round=round_, wait_s=self.cfg.report_wait_s), self.deadline)
+                got = self.gather(Op.REPORT, ReportArgs(round=round_, wait_s=self.cfg.report_wait_s, summary=True),
+                                  self.deadline)
             sums.update({n: drain_summary(d) for n, d in got.ok.items()})
             return combine(sums[n] for n in self.nodes)
 

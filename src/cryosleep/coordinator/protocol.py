@@ -33,9 +33,10 @@ op          args                                              data (on success)
 prepare     mode [rehearsal]                                  ranks, gen (largest NCCL generation seen), facts
                                                               [net, learns]
 hold        gen, hold_s (how long the interceptors may hold)  summary: the local ranks held, their counters summed
-                                                              up (cut.summary.summarize)
-report      round [wait_s]                                    summary (of fresh counters)
+            [summary]                                         up (cut.summary.summarize)
+report      round [wait_s, summary]                           summary (of fresh counters)
 targets     round, targets (only communicators it holds)      summary, read after the ranks answered the targets
+            [summary]
 quiesce     gen                                               records (the interceptors at the cut)
 net_hold    -                                                 (keep-running: no frame crosses between nodes)
 capture     mode, gen                                         phases (CUDA checkpoint, CRIU dump, staged locally)
@@ -54,8 +55,9 @@ finish      - (a migration's staying node)                    [problems] (the st
 
 The drain's answers (hold, report, targets) carry one ``summary`` per node (``SummaryJson``: per communicator its
 maxima, what the node's held ranks wait to issue, the targets written, its members; the unsettled ranks; a
-line or two on why), not every rank's counters; an agent of protocol 2 answers ``views`` (every rank's
-counters), which the coordinator summarizes itself (``drain_summary``).
+line or two on why), not every rank's counters, when the command asks for one (``summary``: a coordinator of
+protocol 3); else ``views`` (every rank's counters), as to a coordinator of protocol 2. An agent of protocol 2
+answers ``views`` whatever is asked: the coordinator summarizes them itself (``drain_summary``).
 
 ``gen``: the first NCCL command generation the agent may write for this command; it may use ``gen`` up to
 ``gen + GEN_STRIDE - 1`` (resume's REBUILD is exactly ``gen``, so that relayed ids match on every node).
@@ -150,11 +152,13 @@ class PrepareData(TypedDict):
 class HoldArgs(TypedDict):
     gen: int
     hold_s: float  # how long the interceptors may hold
+    summary: NotRequired[bool]  # answer with a summary (a coordinator of protocol 3 sends it): else views
 
 
 class ReportArgs(TypedDict):
     round: int
     wait_s: NotRequired[float]  # how long to let the ranks move first (default 0)
+    summary: NotRequired[bool]  # as HoldArgs'
 
 
 class CommTargetJson(TypedDict):
@@ -165,6 +169,7 @@ class CommTargetJson(TypedDict):
 class TargetsArgs(TypedDict):
     round: int
     targets: dict[str, CommTargetJson]  # communicator ident (hex) -> its targets; only those the node holds
+    summary: NotRequired[bool]  # as HoldArgs'
 
 
 class ViewJson(TypedDict):
@@ -588,9 +593,12 @@ def summary_from_json(d: Mapping[str, Any]) -> NodeSummary:
                        premul=tuple((int(r), int(n)) for r, n in d.get("premul") or ()))
 
 
-def drain_answer(views: Sequence[RankView]) -> DrainData:
-    """A node's answer to hold, report and targets: the summary of its ranks' views."""
-    return {"summary": summary_to_json(summarize(views))}
+def drain_answer(views: Sequence[RankView], summary: bool) -> DrainData:
+    """A node's answer to hold, report and targets: the summary of its ranks' views, or (to a coordinator of
+    protocol 2, whose commands do not ask for a summary) the views themselves."""
+    if summary:
+        return {"summary": summary_to_json(summarize(views))}
+    return {"views": [view_to_json(v) for v in views]}
 
 
 def drain_summary(data: Mapping[str, Any]) -> NodeSummary:
