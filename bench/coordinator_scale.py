@@ -3,8 +3,10 @@
     .venv/bin/python bench/coordinator_scale.py [--nodes 128] [--nproc 8] [--reps 5] [--agent-procs 4]
 
 Starts the coordinator as `cryosleep coordinator serve` in its own process, then ``--nodes`` simulated node
-agents (``tests/coordinator/sim.py``: one thread and two keep-alive HTTP connections each) spread over
-``--agent-procs`` processes, with ``--nproc`` ranks each. Every rank is in two communicators (its node's and the
+agents (``tests/coordinator/sim.py``'s nodes, run by ``tests/coordinator/simloop.py``: one event loop per
+process, the same protocol; ``--agent-runner threads`` runs each with the real agent's ``client.AgentRunner``,
+a poll thread and a thread per command, several times the CPU) spread over ``--agent-procs`` processes, with
+``--nproc`` ranks each. ``--coordinator-cpus 0 --agents-cpus 1`` gives each side cores of its own. Every rank is in two communicators (its node's and the
 job-wide one) and the ranks start up to ``--spread`` calls apart, so the drain needs rounds: ranks behind run
 on, ranks held short of the cut get their held call added. Capture and persist are simulated (~0 s), so what is
 measured is the protocol: commands fanned out to every agent by long poll, results back, the cut computed over
@@ -49,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.coordinato
 
 from cryosleep.coordinator.client import CoordinatorClient
 from tests.coordinator.sim import SimCluster
+from tests.coordinator.simloop import LoopAgents
 
 PHASES = ["prepare", "drain", "quiesce", "capture", "resume", "persist"]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -102,15 +105,37 @@ def scrape(url: str, token: str) -> dict[str, float] | None:
     return out
 
 
+def cpus(text: str) -> set[int]:
+    """A CPU list as taskset takes it: 0,2-3."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def agents_main(a: argparse.Namespace) -> int:
     """One process of simulated agents (--agents-of LO:HI): registers, serves, ends when stdin closes."""
     lo, hi = (int(x) for x in a.agents_of.split(":"))
-    cluster = SimCluster(a.url, Path(a.token_file).read_text().strip(), Path(a.store), job="scale", nnodes=a.nodes,
-                         nproc=a.nproc, spread=a.spread, seed=1, only=range(lo, hi)).start(timeout=600)
+    token = Path(a.token_file).read_text().strip()
+    cluster: SimCluster | LoopAgents
+    if a.agent_runner == "threads":
+        cluster = SimCluster(a.url, token, Path(a.store), job="scale", nnodes=a.nodes, nproc=a.nproc, spread=a.spread,
+                             seed=1, only=range(lo, hi)).start(timeout=600)
+    else:
+        cluster = LoopAgents(a.url, token, Path(a.store), job="scale", nnodes=a.nodes, nproc=a.nproc, spread=a.spread,
+                             seed=1, only=range(lo, hi)).start(timeout=600)
     print("ready", flush=True)
     sys.stdin.read()
     cluster.close()
     return 0
+
+
+def agents_setup(a: argparse.Namespace) -> None:
+    """In a process of simulated agents before it starts: its priority and its CPUs."""
+    os.setpriority(os.PRIO_PROCESS, 0, max(a.agents_nice, os.getpriority(os.PRIO_PROCESS, 0)))
+    if a.agents_cpus:
+        os.sched_setaffinity(0, a.agents_cpus)
 
 
 def main() -> int:
@@ -125,6 +150,12 @@ def main() -> int:
     ap.add_argument("--agents-nice", type=int, default=10,
                     help="the simulated agents' processes' nice value (stand-ins for other machines: thousands of "
                     "agent threads at the coordinator's priority starve its one event loop thread of the cores)")
+    ap.add_argument("--agent-runner", choices=["loop", "threads"], default="loop",
+                    help="the simulated agents on one event loop per process (tests/coordinator/simloop.py), or each "
+                    "with the real agent's threads (client.AgentRunner)")
+    ap.add_argument("--coordinator-cpus", type=cpus, help="CPUs the coordinator runs on (e.g. 0), so that it has "
+                    "cores of its own")
+    ap.add_argument("--agents-cpus", type=cpus, help="CPUs the simulated agents run on (e.g. 1)")
     ap.add_argument("--coordinator-src", help="run the coordinator from this source tree (a baseline)")
     ap.add_argument("--profile", help="sample the coordinator's threads into this file (bench/profile_sampler.py)")
     ap.add_argument("--separate", action="store_true", help=argparse.SUPPRESS)  # always so now
@@ -148,7 +179,9 @@ def main() -> int:
     coord = subprocess.Popen([*run, "cryosleep.cli.main", "coordinator", "serve", "--listen",
                               "127.0.0.1:0", "--db", str(tmp / "catalog.db"), "--token-file", str(tmp / "token"),
                               "--lost-after", str(a.lost_after), "--json"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                             preexec_fn=(lambda: os.sched_setaffinity(0, a.coordinator_cpus)) if a.coordinator_cpus
+                             else None)
     assert coord.stdout is not None
     head = ""
     while not head.endswith("}\n"):  # its first JSON object: where it listens
@@ -165,9 +198,8 @@ def main() -> int:
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--agents-of", f"{lo}:{min(a.nodes, lo + per)}", "--url", url, "--token-file",
              str(tmp / "token"), "--store", str(tmp / "store"), "--nodes", str(a.nodes), "--nproc", str(a.nproc),
-             "--spread", str(a.spread)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0,
-                                              max(a.agents_nice, os.getpriority(os.PRIO_PROCESS, 0)))))
+             "--spread", str(a.spread), "--agent-runner", a.agent_runner], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, preexec_fn=lambda: agents_setup(a)))
     results: list[dict[str, Any]] = []
     try:
         for p in procs:
@@ -231,7 +263,9 @@ def main() -> int:
         "median_wall_s": med([r["wall_s"] for r in keep]), "median_cpu_s": med([r["cpu_s"] for r in keep]),
         "median_agents_cpu_s": med([r["agents_cpu_s"] for r in keep]),
         "median_fanout_s": med([r["fanout_s"] for r in keep if "fanout_s" in r]),
-        "agents_nice": a.agents_nice, "python": platform.python_version(), "cpus": os.cpu_count()}
+        "agents_nice": a.agents_nice, "agent_runner": a.agent_runner,
+        "coordinator_cpus": sorted(a.coordinator_cpus or []), "agents_cpus": sorted(a.agents_cpus or []),
+        "python": platform.python_version(), "cpus": os.cpu_count()}
     if a.json:
         print(json.dumps(summary, indent=2))
         return 0

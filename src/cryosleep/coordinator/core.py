@@ -258,10 +258,7 @@ class Coordinator:
                 return self.wait_snapshot(seen["id"], timeout + self.cfg.rollback_s) if wait else seen
         status = self.job_status(job)
         with self.lock:
-            busy = self.active.get(job)
-            if busy is not None:
-                raise Busy(f"a snapshot of job {job!r} is already in progress", f"snapshot {busy.sid}",
-                           "wait for it to finish (`cryosleep coordinator snapshots JOB`), then try again")
+            self._idle(job, "wait for it to finish (`cryosleep coordinator snapshots JOB`), then try again")
             nodes = {int(n["node_rank"]): str(n["agent"]) for n in status["nodes"]}
             missing = sorted(set(range(status["nnodes"])) - set(nodes))
             lost = [n["node_rank"] for n in status["nodes"] if not n["alive"] and not n["left"]]
@@ -446,15 +443,18 @@ class Coordinator:
         # shown with the snapshot's events too (`coordinator show SNAPSHOT`)
         self._drain_said(d, f"host {d.host}: job {d.job}: {d.action}: " + "; ".join(d.reasons))
 
+    def _idle(self, job: str, hint: str) -> None:
+        """Refuses (Busy) while a snapshot of ``job`` is in progress. Called under ``self.lock``."""
+        busy = self.active.get(job)
+        if busy is not None:
+            raise Busy(f"a snapshot of job {job!r} is already in progress", f"snapshot {busy.sid}", hint)
+
     def migrate(self, job: str, moving: list[int], spare: list[str], timeout_s: float) -> str:
         """Nodes ``moving`` of ``job`` moved onto hosts ``spare`` while the others hold (coordinator/migrate.py);
         returns the migration's snapshot id (it runs on, in the background)."""
         status = self.job_status(job)
         with self.lock:
-            busy = self.active.get(job)
-            if busy is not None:
-                raise Busy(f"a snapshot of job {job!r} is already in progress", f"snapshot {busy.sid}",
-                           "wait for it to finish, then drain again")
+            self._idle(job, "wait for it to finish, then drain again")
             nodes = {int(n["node_rank"]): str(n["agent"]) for n in status["nodes"]}
             down = [n["node_rank"] for n in status["nodes"] if not n["alive"]]
             if len(nodes) < status["nnodes"] or down or status["state"] != "running":
