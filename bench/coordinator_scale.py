@@ -25,9 +25,11 @@ coordinator counts an agent lost only after ``--lost-after`` (120 s): 2,048 simu
 cores can go longer than the default 15 s between polls.
 
 ``--coordinator-src DIR`` runs the coordinator from another source tree (the baseline: an older commit's
-``src``, e.g. ``git archive main src | tar -x -C /tmp/old``), the agents from this one. A coordinator older than
-protocol 2 cannot read this tree's agents' counters: run the whole benchmark with ``PYTHONPATH=OLD/src`` then
-(the agents' client and wire format from the old tree, the simulated agents still this tree's tests/coordinator/sim.py).
+``src``, e.g. ``git archive main src | tar -x -C /tmp/old``), the agents from this one. A coordinator of protocol 2
+asks for no summary in the drain's commands: this tree's agents answer it with every rank's views, as its own
+agents did. A coordinator older than protocol 2 cannot read this tree's agents' counters: run the whole
+benchmark with ``PYTHONPATH=OLD/src`` then (the agents' client and wire format from the old tree, the simulated
+agents still this tree's tests/coordinator/sim.py).
 """
 
 from __future__ import annotations
