@@ -8,11 +8,14 @@ import dataclasses
 import json
 from typing import Any
 
+import pytest
+
 from cryosleep.coordinator import protocol as p
 from cryosleep.coordinator.protocol import Command, ImageRef, Op, Result
 from cryosleep.core.interceptor import CommSlot, Rebuild, SlotState, WaitKind
 from cryosleep.cut.rules import CommTarget, RankView
 from cryosleep.cut.summary import summarize
+from cryosleep.errors import ProtocolError
 
 _VIEW = p.view_to_json(RankView(rank=3, comms=(), held=1, targets_gen=8, settled_gen=8, settled=True))
 _SLOT = CommSlot(index=0, state=SlotState.LIVE, vid=1, ident=0xFEDCBA9876543210, rank=1, nranks=2, parent_vid=0,
@@ -105,6 +108,11 @@ def test_the_encoders_write_the_typed_shapes() -> None:
     # an answer of protocol 2 (views) is summarized by the reader, the same
     assert p.drain_summary({"views": [p.view_to_json(_STUCK)]}) == summarize([_STUCK])
     assert p.drain_summary(p.drain_answer([_STUCK], True)) == summarize([_STUCK])
+    # a malformed summary is the protocol's error, named
+    for bad in ({"summary": {"ranks": 1}}, {"summary": {**_SUMMARY, "comms": []}},
+                {"summary": {**_SUMMARY, "comms": {"07": {"n": [1]}}}}):
+        with pytest.raises(ProtocolError, match="malformed summary"):
+            p.drain_summary(bad)
     # to a coordinator of protocol 2 (its commands ask for no summary), the views
     assert p.drain_answer([_STUCK], False) == {"views": [p.view_to_json(_STUCK)]}
     # the image an answer carries reads back as the reference it was

@@ -608,7 +608,7 @@ def drain_summary(data: Mapping[str, Any]) -> NodeSummary:
         if "summary" in data:
             return summary_from_json(data["summary"])
         return summarize(views_from_json(data))
-    except (KeyError, ValueError, TypeError) as e:
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise ProtocolError("an agent sent a malformed summary of its NCCL counters", f"{type(e).__name__}: {e}",
                             "the agent and the coordinator speak different protocol versions?") from e
 

@@ -304,7 +304,8 @@ def raise_held(s: NodeSummary, targets: Targets) -> tuple[dict[int, CommTarget],
         for (a, b), (n, rank) in c.held_pairs.items():
             if n >= pairs.get((a, b), 0):
                 pairs[(a, b)] = n + 1
-                notes.append(f"rank {rank} is held at call {n + 1} from its rank {a} to its rank {b} of {name}")
+                notes.append(f"rank {rank} is held at point-to-point call {n + 1} from its rank {a} to its rank {b} "
+                             f"of {name}")
         out[ident] = CommTarget(coll, pairs)
     return out, notes
 
