@@ -1,6 +1,8 @@
 """A process for tests/native/test_criu_uffd.py: SIZE MiB of private memory, of which the same 1/64 of the pages is
-written every step (10 ms); the rest stays as it was. Registers its memory for userfaultfd write-protect (async) and
-says the fd's number; closes it on SIGUSR2 (the test has taken it by then). SIGUSR1 checks every page against the
+written every step (10 ms); the rest stays as it was. With HOW ``self`` it registers its memory for userfaultfd
+write-protect (async) itself and says the fd's number, closing it on SIGUSR2 (the test has taken it by then); with
+``preload`` it does nothing of the kind: the preloaded interceptor's tracker registers it when asked
+(capture/track.py). SIGUSR1 checks every page against the
 step counter and says OK or how many pages are wrong. It says things by appending to LOG (opened and closed each
 time: CRIU restores an open file only at the size it was dumped with), and each step that came more than 30 ms
 after the one before (the job's step clock: "gap SECONDS end MONOTONIC"). ``take_fd`` and ``wait_for`` are the
@@ -23,7 +25,7 @@ PAGE = mmap.PAGESIZE
 SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}[platform.machine()]
 UFFDIO_API = (3 << 30) | (24 << 16) | (0xAA << 8) | 0x3F
 UFFDIO_REGISTER = (3 << 30) | (32 << 16) | (0xAA << 8) | 0x00
-UFFD_FEATURE_WP_UNPOPULATED, UFFD_FEATURE_WP_ASYNC, UFFDIO_REGISTER_MODE_WP = 1 << 13, 1 << 15, 1 << 1
+UFFD_FEATURE_WP_ASYNC, UFFDIO_REGISTER_MODE_WP = 1 << 15, 1 << 1
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -34,18 +36,6 @@ def ioctl(fd: int, req: int, arg: bytes) -> None:
     if libc.ioctl(fd, ctypes.c_ulong(req), buf) < 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
-
-
-def take_fd(pid: int, fd: int) -> int:
-    """Another process's fd, duplicated into this one (pidfd_getfd)."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        got = int(libc.syscall(438, pidfd, fd, 0))
-    finally:
-        os.close(pidfd)
-    if got < 0:
-        raise OSError(ctypes.get_errno(), "pidfd_getfd")
-    return got
 
 
 def wait_for(log: Path, pattern: str, timeout: float = 30.0) -> re.Match[str]:
@@ -61,6 +51,7 @@ def wait_for(log: Path, pattern: str, timeout: float = 30.0) -> re.Match[str]:
 
 def main() -> None:
     size, log = int(sys.argv[1]) << 20, sys.argv[2]
+    how = sys.argv[3] if len(sys.argv) > 3 else "self"
 
     def say(text: str) -> None:
         with open(log, "a") as f:
@@ -68,12 +59,14 @@ def main() -> None:
 
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.write(b"\1" * size)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    fd = libc.syscall(SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK)
-    if fd < 0:
-        raise OSError(ctypes.get_errno(), "userfaultfd")
-    ioctl(fd, UFFDIO_API, struct.pack("3Q", 0xAA, UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED, 0))
-    ioctl(fd, UFFDIO_REGISTER, struct.pack("4Q", base, size, UFFDIO_REGISTER_MODE_WP, 0))
+    fd = -1
+    if how == "self":
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        fd = libc.syscall(SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "userfaultfd")
+        ioctl(fd, UFFDIO_API, struct.pack("3Q", 0xAA, UFFD_FEATURE_WP_ASYNC, 0))
+        ioctl(fd, UFFDIO_REGISTER, struct.pack("4Q", base, size, UFFDIO_REGISTER_MODE_WP, 0))
     state = {"k": 0, "fd": fd}
 
     def close_fd(*_: object) -> None:
