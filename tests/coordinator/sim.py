@@ -99,7 +99,7 @@ class SimWorld:
             rk.target = {i: 0 for i in rk.seq}
         self.uids: dict[tuple[int, int], str] = {}
         self.dumped: dict[str, set[int]] = {}  # snapshot -> the nodes whose keep-running dump is done
-        self.whole = True  # every node of the job is simulated in this process (SimCluster's ``only`` clears it)
+        self.here: set[int] = set()  # the nodes simulated in this process (a SimNode each)
         base = 1000
         for rk in self.ranks:
             self._issue_n(rk, base + self.rng.randint(0, spread))
@@ -163,9 +163,9 @@ class SimWorld:
                         settled_gen=rk.settled_gen, settled=settled)
 
     def not_dumped(self, sid: str) -> list[int]:
-        """The nodes whose keep-running dump of ``sid`` is not done (none known when the world is not whole)."""
+        """The nodes simulated here whose keep-running dump of ``sid`` is not done."""
         with self.lock:
-            return sorted(set(range(self.nnodes)) - self.dumped.get(sid, set())) if self.whole else []
+            return sorted(self.here - self.dumped.get(sid, set()))
 
     def publish(self, ident: int, gen: int) -> str:
         """The id communicator ``ident``'s rank 0 publishes at generation ``gen`` (the same in every process)."""
@@ -186,6 +186,7 @@ class SimNode:
         self.store = store
         self.faults = faults or SimFaults()
         self.ranks = world.ranks[node * world.nproc:(node + 1) * world.nproc]
+        world.here.add(node)
         self.lock = threading.Lock()
         self.ops: list[tuple[str, str]] = []  # (snapshot, op) executed, in order
         self.staged: dict[str, dict[str, Any]] = {}
@@ -481,7 +482,6 @@ class SimCluster:
                  wait_s: float = 20.0, log: Callable[[str], None] | None = None,
                  only: range | None = None, net: bool = True, legacy: frozenset[int] = frozenset()) -> None:
         self.world = SimWorld(nnodes, nproc, seed=seed, spread=spread, call_s=call_s)
-        self.world.whole = only is None
         self.job = job
         self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n), net, n in legacy)
                       for n in (only or range(nnodes))]

@@ -54,9 +54,12 @@ next command); a step is folded into the next round's command only where that ba
 * Relay and run stay two rounds: RUN opens the gates, after which a rank runs past the cut; it must wait until
   every rank of every node is RUNNING(g) (relay's answer), or a rebuild failing on one node could no longer
   be undone on the others by quiescing again. Resume and relay cannot merge either: the ids a node needs are
-  published by rank-0 members on other nodes, known only from every node's resume answer.
+  published by rank-0 members on other nodes, known only from every node's resume answer. The relay could be
+  skipped where no communicator spans nodes, but a job of many nodes has one that does (its world's) unless it
+  has no NCCL at all, or only communicators within nodes; not done.
 * Run is not folded into persist (keep-running): a failure there would not say whether the node's gates had
-  opened, which decides the rollback (an abort at the cut, or after it).
+  opened, which decides the rollback (an abort at the cut, or after it). Stop is not folded into persist: the
+  point of no return (every node's image verified, written to the catalog) comes between them.
 """
 
 from __future__ import annotations
