@@ -2,15 +2,15 @@
 
     .venv/bin/python bench/coordinator_scale.py [--nodes 128] [--nproc 8] [--reps 5] [--agent-procs 4]
 
-Starts the coordinator as `cryosleep coordinator serve` in its own process, then ``--nodes`` simulated node
-agents (``tests/coordinator/sim.py``'s nodes, run by ``tests/coordinator/simloop.py``: one event loop per
-process, the same protocol; ``--agent-runner threads`` runs each with the real agent's ``client.AgentRunner``,
-a poll thread and a thread per command, several times the CPU) spread over ``--agent-procs`` processes, with
-``--nproc`` ranks each. ``--coordinator-cpus 0 --agents-cpus 1`` gives each side cores of its own. Every rank is
-in two communicators (its node's and the job-wide one) and the ranks start up to ``--spread`` calls apart, so the
-drain needs rounds: ranks behind run on, ranks held short of the cut get their held call added. Capture and persist are simulated (~0 s), so what is
-measured is the protocol: commands fanned out to every agent by long poll, results back, the cut computed over
-every rank's counters, the catalog written.
+Starts the coordinator as `cryosleep coordinator serve` in its own process, then ``--nodes`` simulated node agents
+(``tests/coordinator/sim.py``'s nodes, run by ``tests/coordinator/simloop.py``: one event loop per process, the
+same protocol; ``--agent-runner threads`` runs each with the real agent's ``client.AgentRunner``, a poll thread
+and a thread per command, several times the CPU) spread over ``--agent-procs`` processes, with ``--nproc`` ranks
+each. ``--coordinator-cpus 0 --agents-cpus 1`` gives each side cores of its own. Every rank is in two
+communicators (its node's and the job-wide one) and the ranks start up to ``--spread`` calls apart, so the drain
+needs rounds: ranks behind run on, ranks held short of the cut get their held call added. Capture and persist are
+simulated (~0 s), so what is measured is the protocol: commands fanned out to every agent by long poll, results
+back, the cut computed over every rank's counters, the catalog written.
 
 Per keep-running snapshot it reports the snapshot's phase times as the coordinator recorded them (prepare, drain =
 one cut, quiesce, capture, resume, persist), the drain's rounds, the rounds of commands in all
