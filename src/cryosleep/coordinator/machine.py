@@ -310,6 +310,7 @@ class SnapshotSequence:
         if keep and self.net_in_capture:
             args["hold_net"] = self.release_net = True
         elif keep:
+            self.log(f"snapshot {self.sid}: net_hold and net_release rounds (an agent without {NET_IN_CAPTURE})")
             self.gather(Op.NET_HOLD, NoArgs(), self.deadline)
         self.gather(Op.CAPTURE, args, self.deadline)
         if keep and not self.release_net:
