@@ -4,12 +4,14 @@ and every member of every communicator is captured at the same count, whichever 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from cryosleep.errors import NotEligible
+from cryosleep.coordinator.protocol import Command, Op
+from cryosleep.errors import CaptureFailed, NotEligible
 from tests.coordinator.helpers import Env, images
-from tests.coordinator.sim import GLOBAL, node_ident
+from tests.coordinator.sim import GLOBAL, SimNode, SimWorld, node_ident
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -116,3 +118,23 @@ def test_many_nodes(env: Env) -> None:
     cut = c.cut_counters(s["id"])
     assert len(cut) == 128 and len({seq[f"{GLOBAL:016x}"] for seq in cut.values()}) == 1
     assert sum(s["phases"].values()) < 15
+
+
+def test_a_simulated_node_refuses_a_release_before_every_node_dumped(tmp_path: Path) -> None:
+    """The guard the tests above lean on: a release (resume's release_net) while another node of the job has not
+    dumped yet is refused, as a coordinator that released early would have broken the images' agreement."""
+    world = SimWorld(2, 1, seed=1)
+    a, b = (SimNode(world, n, tmp_path) for n in (0, 1))
+
+    def cmd(op: Op, **args: object) -> Command:
+        return Command(f"s.{op}", "s", "sim", op, 5.0, 0.0, args)
+
+    for rk in world.ranks:
+        rk.mode, rk.live = "quiesced", False  # at the cut (what quiesce leaves)
+    a.capture(cmd(Op.CAPTURE, mode="keep-running", gen=8, hold_net=True))
+    assert a.net_held
+    with pytest.raises(CaptureFailed, match=r"released before node\(s\) \[1\] dumped"):
+        a.resume(cmd(Op.RESUME, gen=16, release_net=True))
+    b.capture(cmd(Op.CAPTURE, mode="keep-running", gen=8, hold_net=True))
+    a.resume(cmd(Op.RESUME, gen=24, release_net=True))
+    assert not a.net_held and b.net_held
