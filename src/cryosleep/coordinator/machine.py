@@ -57,9 +57,11 @@ next command); a step is folded into the next round's command only where that ba
   published by rank-0 members on other nodes, known only from every node's resume answer. The relay could be
   skipped where no communicator spans nodes, but a job of many nodes has one that does (its world's) unless it
   has no NCCL at all, or only communicators within nodes; not done.
-* Run is not folded into persist (keep-running): a failure there would not say whether the node's gates had
-  opened, which decides the rollback (an abort at the cut, or after it). Stop is not folded into persist: the
-  point of no return (every node's image verified, written to the catalog) comes between them.
+* Run is not folded into persist (keep-running): the rollback must know whether every node's gates opened (an
+  abort at the cut, or after it). Only a failed run round leaves that open now, a step of milliseconds; folded,
+  so would any failure of the persist, which takes seconds (commit, verify), and a node lost while verifying.
+  Stop is not folded into persist: the point of no return (every node's image verified, written to the
+  catalog) comes between them.
 """
 
 from __future__ import annotations
