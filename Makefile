@@ -1,7 +1,9 @@
 # Everything a fresh machine needs, in one place. `make demo` and `make test` run `make setup` first.
 #   setup   Python venv with the package, PyTorch (CPU), the dev tools and the frameworks the tests train with
 #           (transformers, Lightning, torchdata: pinned, never replacing torch); the native helpers; CRIU 4.2
-#           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt);
+#           in Cryosleep's private prefix (downloaded, verified against a pinned lock, never touching apt), and
+#           beside it criu-uffd: the same CRIU built from Debian's pinned source with memory tracked by userfaultfd
+#           write-protect (its build's -dev packages from apt);
 #           the loopback S3 server the store's tests run against (Ceph radosgw, private prefix, same way);
 #           Slurm and munge from the distribution's packages, for the Slurm tests (tests/slurm);
 #           PostgreSQL's server from the distribution's packages, for the coordinator's server catalog's tests
@@ -17,9 +19,9 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN = $(VENV)/bin
 
-.PHONY: setup venv native criu s3server slurm postgresql test test-extended test-slurm test-chaos test-fast demo lint clean
+.PHONY: setup venv native criu criu-uffd s3server slurm postgresql test test-extended test-slurm test-chaos test-fast demo lint clean
 
-setup: venv native criu s3server slurm postgresql
+setup: venv native criu criu-uffd s3server slurm postgresql
 
 venv: $(VENV)/.installed
 
@@ -36,6 +38,13 @@ native:
 
 criu: venv
 	$(BIN)/cryosleep criu install
+
+# CRIU's build dependencies from the distribution's packages, then the pinned CRIU built with memory tracked by
+# userfaultfd write-protect (capture/criu_uffd.py), beside the prefix's criu
+criu-uffd: criu
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	  $$($(BIN)/python -c 'from cryosleep.capture.criu_uffd import BUILD_DEPS; print(*BUILD_DEPS)')
+	$(BIN)/cryosleep criu build-uffd
 
 s3server: venv
 	$(BIN)/python tools/s3serve.py install

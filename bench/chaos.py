@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +35,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     p.add_argument("--json", type=Path, help="also write every round's result here")
     p.add_argument("--multinode", action="store_true", help="two simulated hosts, through the coordinator")
+    p.add_argument("--keep-failed", type=Path, metavar="DIR",
+                   help="copy a failed round's job directories (logs, decisions, the agent's log) to DIR/seed-N")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="cryosleep-chaos-") as tmp:
         home = Path(tmp) / "home"
@@ -57,6 +60,12 @@ def main() -> int:
                 a.json.write_text(json.dumps([r.to_json() for r in results], indent=2))
             if not res.ok:
                 print("  " + "\n  ".join(res.problems) + f"\n  replay: {res.plan.replay()}", flush=True)
+                if a.keep_failed and (home / "jobs").is_dir():
+                    kept = a.keep_failed / f"seed-{res.plan.seed}"
+                    shutil.copytree(home / "jobs", kept, dirs_exist_ok=True, symlinks=True,
+                                    ignore=lambda d, names: [n for n in names if (Path(d) / n).is_file()
+                                                             and (Path(d) / n).stat().st_size > 16 << 20])
+                    print(f"  kept: {kept}", flush=True)
     print(f"\nseed {a.seed}, {len(results)} rounds, {sum(not r.ok for r in results)} failed\n")
     print(chaos.report(results))
     return 1 if any(not r.ok for r in results) else 0

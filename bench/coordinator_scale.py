@@ -2,27 +2,30 @@
 
     .venv/bin/python bench/coordinator_scale.py [--nodes 128] [--nproc 8] [--reps 5] [--agent-procs 4]
 
-Starts the coordinator as `cryosleep coordinator serve` in its own process, then ``--nodes`` simulated node
-agents (``tests/coordinator/sim.py``'s nodes, run by ``tests/coordinator/simloop.py``: one event loop per
-process, the same protocol; ``--agent-runner threads`` runs each with the real agent's ``client.AgentRunner``,
-a poll thread and a thread per command, several times the CPU) spread over ``--agent-procs`` processes, with
-``--nproc`` ranks each. ``--coordinator-cpus 0 --agents-cpus 1`` gives each side cores of its own. Every rank
-is in two communicators (its node's and the job-wide one) and the ranks start up to ``--spread`` calls apart, so
-the drain needs rounds: ranks behind run on, ranks held short of the cut get their held call added. Capture and
-persist are simulated (~0 s), so what is measured is the protocol: commands fanned out to every agent by long
-poll, results back, the cut computed over every rank's counters, the catalog written.
+Starts the coordinator as `cryosleep coordinator serve` in its own process, then ``--nodes`` simulated node agents
+(``tests/coordinator/sim.py``'s nodes, run by ``tests/coordinator/simloop.py``: one event loop per process, the
+same protocol; ``--agent-runner threads`` runs each with the real agent's ``client.AgentRunner``, a poll thread
+and a thread per command, several times the CPU) spread over ``--agent-procs`` processes, with ``--nproc`` ranks
+each. ``--coordinator-cpus 0 --agents-cpus 1`` gives each side cores of its own. Every rank is in two
+communicators (its node's and the job-wide one) and the ranks start up to ``--spread`` calls apart, so the drain
+needs rounds: ranks behind run on, ranks held short of the cut get their held call added. Capture and persist are
+simulated (~0 s), so what is measured is the protocol: commands fanned out to every agent by long poll, results
+back, the cut computed over every rank's counters, the catalog written.
 
-Per keep-running snapshot it reports the snapshot's phase times as the coordinator recorded them (prepare,
-drain = one cut, quiesce, capture, resume, persist), the drain's rounds, the total, and the coordinator
-process's own CPU time: per phase (its /metrics: ``cryosleep_coordinator_phase_cpu_seconds_total``) and in all
-(/proc/PID/stat, the whole snapshot); the simulated agents' processes' CPU over the same snapshot (on a machine
-of few cores, what the wall time waits for when it is more than the coordinator's); the fan-out is one
-``net_hold`` round (a command with nothing to do, to every agent, and every answer back). Then one stop
-snapshot. Every cut is checked: every member of every communicator at the same count in the persisted images.
-The agents' processes run at ``--agents-nice`` (10): they stand in for other machines, and on the same cores
-their thousands of threads would starve the coordinator's event loop, one thread, of its share; and the
-coordinator counts an agent lost only after ``--lost-after`` (120 s): 2,048 simulated agents on two shared
-cores can go longer than the default 15 s between polls.
+Per keep-running snapshot it reports the snapshot's phase times as the coordinator recorded them (prepare, drain =
+one cut, quiesce, capture, resume, persist), the drain's rounds, the rounds of commands in all
+(``requests_rounds``: one command to every node and its answers each, from the coordinator's ``round_seconds``
+counts), the total, and the coordinator process's own CPU time: per phase (its /metrics:
+``cryosleep_coordinator_phase_cpu_seconds_total``) and in all (/proc/PID/stat, the whole snapshot); the simulated
+agents' processes' CPU over the same snapshot (on a machine of few cores, what the wall time waits for when it is
+more than the coordinator's); the fan-out is one ``run`` round (a command with nothing to do for a simulated
+agent, to every agent, and every answer back; rounds before 2026-12-03 measured ``net_hold``, which agents that
+hold their network in the capture command no longer get). Then one stop snapshot. Every cut is checked: every
+member of every communicator at the same count in the persisted images. The agents' processes run at
+``--agents-nice`` (10): they stand in for other machines, and on the same cores their thousands of threads would
+starve the coordinator's event loop, one thread, of its share; and the coordinator counts an agent lost only after
+``--lost-after`` (120 s): 2,048 simulated agents on two shared cores can go longer than the default 15 s between
+polls.
 
 ``--coordinator-src DIR`` runs the coordinator from another source tree (the baseline: an older commit's
 ``src``, e.g. ``git archive main src | tar -x -C /tmp/old``), the agents from this one. A coordinator of protocol 2
@@ -235,9 +238,10 @@ def main() -> int:
                                    "sys_s": round(c1[1] - c0[1], 3), "agents_cpu_s": round(a1 - a0, 3)}
             if m0 is not None and m1 is not None:
                 run["phase_cpu"] = {k[4:]: round(v - m0.get(k, 0.0), 4) for k, v in m1.items() if k.startswith("cpu:")}
-                dn = m1.get("count:net_hold", 0.0) - m0.get("count:net_hold", 0.0)
+                run["requests_rounds"] = int(sum(v - m0.get(k, 0.0) for k, v in m1.items() if k.startswith("count:")))
+                dn = m1.get("count:run", 0.0) - m0.get("count:run", 0.0)
                 if dn:
-                    run["fanout_s"] = round((m1["sum:net_hold"] - m0.get("sum:net_hold", 0.0)) / dn, 4)
+                    run["fanout_s"] = round((m1["sum:run"] - m0.get("sum:run", 0.0)) / dn, 4)
             results.append(run)
     finally:
         for p in procs:
@@ -265,6 +269,7 @@ def main() -> int:
         "median_wall_s": med([r["wall_s"] for r in keep]), "median_cpu_s": med([r["cpu_s"] for r in keep]),
         "median_agents_cpu_s": med([r["agents_cpu_s"] for r in keep]),
         "median_fanout_s": med([r["fanout_s"] for r in keep if "fanout_s" in r]),
+        "median_requests_rounds": med([r["requests_rounds"] for r in keep if "requests_rounds" in r]),
         "agents_nice": a.agents_nice, "agent_runner": a.agent_runner,
         "coordinator_cpus": sorted(a.coordinator_cpus or []), "agents_cpus": sorted(a.agents_cpus or []),
         "python": platform.python_version(), "cpus": os.cpu_count()}

@@ -10,11 +10,14 @@ interceptor's gate is modelled as docs/interceptor.md describes it: in HOLD a co
 
 ``SimNode`` implements ``client.NodeBackend`` for one node's ranks; with ``call_s > 0`` a rank takes that long
 per call, so the cut takes several rounds. ``SimFaults`` injects, per node: an error, a hang (never answers),
-a lost agent (stops polling) or a delay, at any operation or phase. ``SimCluster`` starts a job's nodes, each
-with its own ``AgentRunner`` (threads in this process, each with its own HTTP connections); ``only`` limits it
-to some of the job's nodes, so that one job's agents can be spread over several processes (the benchmark does):
-every process builds the same world from the same seed, and the ids published for a rebuild are derived from
-(communicator, generation), so they agree across processes.
+a lost agent (stops polling) or a delay, at any operation or phase. A node speaks this package's protocol (it
+holds its job network in a keep-running capture told ``hold_net``, and releases it in a resume told
+``release_net``; it checks that no node releases before every node has dumped), or with ``legacy`` the one of
+before (no capabilities at prepare, and those arguments ignored, as an older agent would). ``SimCluster``
+starts a job's nodes, each with its own ``AgentRunner`` (threads in this process, each with its own HTTP
+connections); ``only`` limits it to some of the job's nodes, so that one job's agents can be spread over several
+processes (the benchmark does): every process builds the same world from the same seed, and the ids published
+for a rebuild are derived from (communicator, generation), so they agree across processes.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 
 from cryosleep.coordinator.client import AgentRunner, Registration
 from cryosleep.coordinator.machine import PHASE_OF
-from cryosleep.coordinator.protocol import Command, Op, drain_answer, ident_hex, targets_from_json
+from cryosleep.coordinator.protocol import CAN, Command, Op, drain_answer, ident_hex, targets_from_json
 from cryosleep.core.interceptor import MAX_PEERS, CommSlot, Rebuild, SlotState, WaitKind
 from cryosleep.cut.rules import RankView
 from cryosleep.errors import CaptureFailed, NotEligible
@@ -47,7 +50,8 @@ def node_ident(node: int) -> int:
 @dataclass
 class SimFaults:
     fail: dict[str, str] = field(default_factory=dict)
-    """op or phase name -> the error that operation answers."""
+    """op or phase name -> the error that operation answers (or ``held``: a keep-running capture's, after its
+    network hold and before its dump)."""
     hang: set[str] = field(default_factory=set)
     """ops or phases that never answer (the agent keeps polling)."""
     die: str | None = None
@@ -57,8 +61,8 @@ class SimFaults:
     once: bool = False
     """Each ``fail`` entry fires once, then is forgotten (a transient fault: the rollback then succeeds)."""
 
-    def matches(self, keys: set[str], op: Op) -> bool:
-        return bool({str(op), PHASE_OF[op]} & keys)
+    def matches(self, keys: set[str], names: set[str]) -> bool:
+        return bool(names & keys)
 
 
 @dataclass
@@ -94,6 +98,8 @@ class SimWorld:
             rk.seq = {node_ident(rk.node): 0, GLOBAL: 0}
             rk.target = {i: 0 for i in rk.seq}
         self.uids: dict[tuple[int, int], str] = {}
+        self.dumped: dict[str, set[int]] = {}  # snapshot -> the nodes whose keep-running dump is done
+        self.here: set[int] = set()  # the nodes simulated in this process (a SimNode each)
         base = 1000
         for rk in self.ranks:
             self._issue_n(rk, base + self.rng.randint(0, spread))
@@ -156,6 +162,11 @@ class SimWorld:
         return RankView(rank=rk.rank, comms=tuple(comms), held=int(at_gate), targets_gen=rk.targets_gen,
                         settled_gen=rk.settled_gen, settled=settled)
 
+    def not_dumped(self, sid: str) -> list[int]:
+        """The nodes simulated here whose keep-running dump of ``sid`` is not done."""
+        with self.lock:
+            return sorted(self.here - self.dumped.get(sid, set()))
+
     def publish(self, ident: int, gen: int) -> str:
         """The id communicator ``ident``'s rank 0 publishes at generation ``gen`` (the same in every process)."""
         with self.lock:
@@ -167,13 +178,15 @@ class SimNode:
     """One node's simulated agent (``client.NodeBackend``)."""
 
     def __init__(self, world: SimWorld, node: int, store: Path, faults: SimFaults | None = None,
-                 net: bool = True) -> None:
+                 net: bool = True, legacy: bool = False) -> None:
         self.world = world
         self.node = node
         self.net = net  # a job network (net_hold holds it); without one on any node, the coordinator skips the hold
+        self.legacy = legacy  # the protocol of before: no capabilities, capture's hold_net and resume's release_net
         self.store = store
         self.faults = faults or SimFaults()
         self.ranks = world.ranks[node * world.nproc:(node + 1) * world.nproc]
+        world.here.add(node)
         self.lock = threading.Lock()
         self.ops: list[tuple[str, str]] = []  # (snapshot, op) executed, in order
         self.staged: dict[str, dict[str, Any]] = {}
@@ -186,24 +199,24 @@ class SimNode:
 
     # -- helpers --
 
-    def _fault(self, op: Op) -> None:
+    def _fault(self, op: Op, point: str | None = None) -> None:
         f = self.faults
-        keys = {str(op), PHASE_OF[op]}
+        keys = {point} if point else {str(op), PHASE_OF[op]}
         for k in sorted(keys):
             if k in f.delay:
                 time.sleep(f.delay[k])
-        if f.die is not None and f.matches({f.die}, op):
+        if f.die is not None and f.matches({f.die}, keys):
             if self.runner is not None:
                 self.runner.halt()
             self.release.wait()
             raise CaptureFailed("the simulated agent died", "", "")
-        if f.matches(f.hang, op):
+        if f.matches(f.hang, keys):
             self.release.wait()
             raise CaptureFailed(f"simulated hang at {op}", "", "")
         for k in sorted(keys):
             if k in f.fail:
                 why = f.fail.pop(k) if f.once else f.fail[k]
-                raise CaptureFailed(f"simulated failure at {op} on node {self.node}", why, "")
+                raise CaptureFailed(f"simulated failure at {point or op} on node {self.node}", why, "")
 
     def _enter(self, cmd: Command) -> None:
         with self.lock:
@@ -249,8 +262,8 @@ class SimNode:
         if any(rk.ended for rk in self.ranks):
             raise NotEligible(f"node {self.node}'s workers have ended", "", "")
         self.world.run_free(self.ranks, 3)
-        return {"ranks": [rk.rank for rk in self.ranks], "gen": self.gen, "facts": {"simulated": True},
-                "net": self.net}
+        out = {"ranks": [rk.rank for rk in self.ranks], "gen": self.gen, "facts": {"simulated": True}, "net": self.net}
+        return out if self.legacy else {**out, "can": list(CAN)}
 
     def hold(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._hold, cmd)
@@ -313,8 +326,15 @@ class SimNode:
 
     def _net_release(self, cmd: Command) -> dict[str, Any]:
         self._enter(cmd)
-        self.net_held = False
+        self._release(cmd)
         return {}
+
+    def _release(self, cmd: Command) -> None:
+        """The job network released once every node has dumped (else a frame could cross between a node dumped
+        and one not yet: the images would disagree)."""
+        if self.net_held and (late := self.world.not_dumped(cmd.snapshot)):
+            raise CaptureFailed(f"node {self.node}: the job network released before node(s) {late} dumped", "", "")
+        self.net_held = False
 
     def capture(self, cmd: Command) -> dict[str, Any]:
         return self._serial(self._capture, cmd)
@@ -323,11 +343,18 @@ class SimNode:
         self._enter(cmd)
         if any(rk.live for rk in self.ranks):
             raise CaptureFailed(f"node {self.node}: ranks are not quiesced", "", "")
-        if cmd.args.get("mode") == "keep-running" and self.net and not self.net_held:
+        keep = cmd.args.get("mode") == "keep-running"
+        if keep and cmd.args.get("hold_net") and self.net and not self.legacy:
+            self.net_held = True
+            self._fault(cmd.op, "held")
+        if keep and self.net and not self.net_held:
             raise CaptureFailed(f"node {self.node}: a keep-running dump without the job network held", "", "")
         self.staged[cmd.snapshot] = {"node": self.node, "ranks": {
             str(rk.rank): {ident_hex(i): n for i, n in sorted(rk.seq.items())} for rk in self.ranks}}
         self.frozen = cmd.args.get("mode") == "stop"
+        if keep:
+            with self.world.lock:
+                self.world.dumped.setdefault(cmd.snapshot, set()).add(self.node)
         return {"phases": {"dump": 0.0}}
 
     def resume(self, cmd: Command) -> dict[str, Any]:
@@ -335,6 +362,8 @@ class SimNode:
 
     def _resume(self, cmd: Command) -> dict[str, Any]:
         self._enter(cmd)
+        if cmd.args.get("release_net") and not self.legacy:
+            self._release(cmd)
         self.frozen = False
         gen = int(cmd.args["gen"])
         uids: dict[str, str] = {}
@@ -452,10 +481,11 @@ class SimCluster:
     def __init__(self, url: str, token: str, store: Path, *, job: str = "sim", nnodes: int = 2, nproc: int = 4,
                  seed: int = 0, spread: int = 5, call_s: float = 0.0, faults: dict[int, SimFaults] | None = None,
                  wait_s: float = 20.0, log: Callable[[str], None] | None = None,
-                 only: range | None = None, net: bool = True) -> None:
+                 only: range | None = None, net: bool = True, legacy: frozenset[int] = frozenset()) -> None:
         self.world = SimWorld(nnodes, nproc, seed=seed, spread=spread, call_s=call_s)
         self.job = job
-        self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n), net) for n in (only or range(nnodes))]
+        self.nodes = [SimNode(self.world, n, store, (faults or {}).get(n), net, n in legacy)
+                      for n in (only or range(nnodes))]
         self.runners: list[AgentRunner] = []
         for node in self.nodes:
             reg = Registration(job=job, nnodes=nnodes, node_rank=node.node, ranks=[rk.rank for rk in node.ranks],

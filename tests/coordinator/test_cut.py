@@ -4,12 +4,14 @@ and every member of every communicator is captured at the same count, whichever 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from cryosleep.errors import NotEligible
+from cryosleep.coordinator.protocol import Command, Op
+from cryosleep.errors import CaptureFailed, NotEligible
 from tests.coordinator.helpers import Env, images
-from tests.coordinator.sim import GLOBAL, node_ident
+from tests.coordinator.sim import GLOBAL, SimNode, SimWorld, node_ident
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -37,9 +39,8 @@ def test_cut_converges_across_nodes_with_ranks_behind(env: Env, seed: int) -> No
         assert set(n["phases"]) >= {"prepare", "drain", "quiesce", "capture", "resume", "persist"}
     assert set(s["phases"]) >= {"prepare", "drain", "quiesce", "capture", "resume", "persist"}
     assert c.all_running()
-    for n in c.nodes:
-        assert n.ops_of(s["id"])[-8:] == ["quiesce", "net_hold", "capture", "net_release", "resume", "relay", "run",
-                                          "persist"]
+    for n in c.nodes:  # the job network held by the capture command, released by the resume command
+        assert n.ops_of(s["id"])[-6:] == ["quiesce", "capture", "resume", "relay", "run", "persist"]
     ev = env.client().snapshot_detail(s["id"])["events"]
     assert any(e["kind"] == "cut" and "round" in e["message"] for e in ev)
 
@@ -54,6 +55,20 @@ def test_without_a_job_network_the_capture_holds_none(env: Env) -> None:
         assert n.ops_of(s["id"])[-6:] == ["quiesce", "capture", "resume", "relay", "run", "persist"]
     cut = c.cut_counters(s["id"])
     assert sorted(cut) == [0, 1, 2, 3] and len({seq[f"{GLOBAL:016x}"] for seq in cut.values()}) == 1, cut
+
+
+@pytest.mark.parametrize("legacy", [frozenset({1}), frozenset({0, 1, 2})])
+def test_an_agent_of_before_gets_the_network_rounds_of_before(env: Env, legacy: frozenset[int]) -> None:
+    """A node whose prepare answer names no capability (an agent of before, which would ignore capture's
+    hold_net and dump with its network up): every node gets net_hold and net_release rounds of their own, as
+    before; the simulated agents refuse a keep-running dump without the hold and a release before every dump."""
+    c = env.cluster(nnodes=3, nproc=2, seed=6, legacy=legacy)
+    s = env.client().snapshot("sim", timeout_s=20)
+    assert s["state"] == "verified", s.get("error")
+    for n in c.nodes:
+        assert n.ops_of(s["id"])[-8:] == ["quiesce", "net_hold", "capture", "net_release", "resume", "relay", "run",
+                                          "persist"]
+    assert c.all_running() and len({seq[f"{GLOBAL:016x}"] for seq in c.cut_counters(s["id"]).values()}) == 1
 
 
 def test_cut_is_computed_over_every_rank_of_every_node(env: Env) -> None:
@@ -103,3 +118,23 @@ def test_many_nodes(env: Env) -> None:
     cut = c.cut_counters(s["id"])
     assert len(cut) == 128 and len({seq[f"{GLOBAL:016x}"] for seq in cut.values()}) == 1
     assert sum(s["phases"].values()) < 15
+
+
+def test_a_simulated_node_refuses_a_release_before_every_node_dumped(tmp_path: Path) -> None:
+    """The guard the tests above lean on: a release (resume's release_net) while another node of the job has not
+    dumped yet is refused, as a coordinator that released early would have broken the images' agreement."""
+    world = SimWorld(2, 1, seed=1)
+    a, b = (SimNode(world, n, tmp_path) for n in (0, 1))
+
+    def cmd(op: Op, **args: object) -> Command:
+        return Command(f"s.{op}", "s", "sim", op, 5.0, 0.0, args)
+
+    for rk in world.ranks:
+        rk.mode, rk.live = "quiesced", False  # at the cut (what quiesce leaves)
+    a.capture(cmd(Op.CAPTURE, mode="keep-running", gen=8, hold_net=True))
+    assert a.net_held
+    with pytest.raises(CaptureFailed, match=r"released before node\(s\) \[1\] dumped"):
+        a.resume(cmd(Op.RESUME, gen=16, release_net=True))
+    b.capture(cmd(Op.CAPTURE, mode="keep-running", gen=8, hold_net=True))
+    a.resume(cmd(Op.RESUME, gen=24, release_net=True))
+    assert not a.net_held and b.net_held

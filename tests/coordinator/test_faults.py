@@ -121,3 +121,25 @@ def test_a_node_that_cannot_be_rebuilt_ends_the_job_everywhere_and_says_so(env: 
     assert all(rk.ended for rk in c.world.ranks)
     kinds = [e["kind"] for e in env.client().snapshot_detail(s["id"])["events"]]
     assert "rollback-failed" in kinds and "ended" in kinds
+
+
+@pytest.mark.parametrize(("legacy", "point"), [
+    (False, "held"), (False, "capture"), (False, "resume"),
+    (True, "net_hold"), (True, "capture"), (True, "net_release"), (True, "resume")])
+def test_a_failure_where_the_network_is_held_or_released_rolls_every_node_back(env: Env, legacy: bool,
+                                                                               point: str) -> None:
+    """Keep-running: the capture command holds each node's job network and then dumps (``held``: failing between
+    the two), the resume command releases it and then rebuilds; agents of before get net_hold and net_release
+    rounds of their own. A failure at any of them on one node rolls every node back past the cut: every node
+    aborts (its network released), all rebuild and run, nothing is listed valid, and the next snapshot is fine."""
+    c = env.cluster(nnodes=3, nproc=2, seed=14, legacy=frozenset({0, 1, 2}) if legacy else frozenset(),
+                    faults={1: SimFaults(fail={point: "port stuck"}, once=True)})
+    s = env.client().snapshot("sim", timeout_s=20)
+    assert s["at_cut"] and "port stuck" in s["error"]["why"], s.get("error")
+    assert_rolled_back(env, c, s, failing=1)
+    assert not any(n.net_held for n in c.nodes)
+    assert "rollback_problems" not in (s["error"].get("details") or {})
+    ops = c.nodes[1].ops_of(s["id"])
+    assert ("net_hold" in ops) == legacy, ops
+    again = env.client().snapshot("sim", timeout_s=20)
+    assert again["state"] == "verified", again.get("error")

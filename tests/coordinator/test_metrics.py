@@ -44,7 +44,8 @@ def test_metrics_count_snapshots_phases_agents_and_requests(env: Env) -> None:
     assert value(m, p + "phase_seconds_count", phase="persist") == 1  # the failed one never got there
     assert value(m, p + "phase_seconds_count", phase="rollback") == 1
     assert value(m, p + "phase_cpu_seconds_total", phase="drain") > 0
-    assert value(m, p + "round_seconds_count", op="net_hold") == 2  # one fan-out per snapshot
+    assert value(m, p + "round_seconds_count", op="capture") == 2  # one round per snapshot
+    assert value(m, p + "round_seconds_count", op="net_hold") == 0  # the capture command holds the network
     assert value(m, p + "requests_total", route="trigger", code="200") == 2
     assert value(m, p + "requests_total", route="poll", code="200") > 10
 

@@ -33,7 +33,7 @@ def test_coordinator_killed_mid_snapshot(tmp_path: Path, db: str, stage: str) ->
         client = CoordinatorClient(url, token)
         s = client.snapshot("sim", timeout_s=60, wait=False)
         wait_for(lambda: client.snapshot_detail(s["id"])["state"] == stage, 20, stage)
-        first = "targets" if stage == "draining" else "net_hold"  # the first op of the phase the fault names
+        first = "targets" if stage == "draining" else "capture"  # the op the fault hangs
         wait_for(lambda: first in c.nodes[1].ops_of(s["id"]), 20, f"node 1 at {first}")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -110,7 +110,7 @@ def test_recovery_never_touches_nodes_restored_since(tmp_path: Path, db: str) ->
     try:
         client = CoordinatorClient(url, token)
         s = client.snapshot("sim", timeout_s=60, wait=False)
-        wait_for(lambda: "net_hold" in old.nodes[1].ops_of(s["id"]), 20, "node 1 past the cut")
+        wait_for(lambda: "capture" in old.nodes[1].ops_of(s["id"]), 20, "node 1 past the cut")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         old.close()

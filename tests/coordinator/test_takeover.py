@@ -53,7 +53,7 @@ def test_a_standby_takes_over_a_snapshot_in_flight(tmp_path: Path, pg: PgServer,
     try:
         client = CoordinatorClient(url, token)
         s = client.snapshot("sim", stop=mode == "stop", timeout_s=60, wait=False)
-        first = "net_hold" if mode == "keep-running" else "stop"
+        first = "capture" if mode == "keep-running" else "stop"
         wait_for(lambda: first in c.nodes[1].ops_of(s["id"]), 20, f"node 1 at {first}")
         holder = Lease(Catalog(db), 1.0).current()
         assert holder is not None and holder["address"] == url

@@ -34,7 +34,8 @@ _IMAGE = ImageRef("job-1", 4096, "ab" * 32, "/var/lib/cryosleep/store", "node-1"
 # op -> (args, data): each with every key its type has, required and not
 SAMPLES: dict[Op, tuple[Any, Any]] = {
     Op.PREPARE: (p.PrepareArgs(mode="keep-running", rehearsal=True),
-                 p.PrepareData(ranks=[0, 1], gen=24, facts={"host": "n1"}, net=False, learns=True)),
+                 p.PrepareData(ranks=[0, 1], gen=24, facts={"host": "n1"}, net=False, learns=True,
+                               can=[p.NET_IN_CAPTURE])),
     Op.HOLD: (p.HoldArgs(gen=32, hold_s=45.5, summary=True), p.DrainData(summary=_SUMMARY, views=[_VIEW])),
     Op.REPORT: (p.ReportArgs(round=2, wait_s=0.02, summary=True), p.DrainData(summary=_SUMMARY, views=[])),
     Op.TARGETS: (p.TargetsArgs(round=3, summary=True,
@@ -42,9 +43,11 @@ SAMPLES: dict[Op, tuple[Any, Any]] = {
                  p.DrainData(summary=_SUMMARY, views=[_VIEW, _VIEW])),
     Op.QUIESCE: (p.GenArgs(gen=40), p.QuiesceData(records=[{"rank": 0, "seq": {"fedcba9876543210": 17}}])),
     Op.NET_HOLD: (p.NoArgs(), p.NoData()),
-    Op.CAPTURE: (p.CaptureArgs(mode="stop", gen=48), p.PhasesData(phases={"dump": 1.25, "cuda": 0.5})),
+    Op.CAPTURE: (p.CaptureArgs(mode="keep-running", gen=48, hold_net=True),
+                 p.PhasesData(phases={"dump": 1.25, "cuda": 0.5})),
     Op.NET_RELEASE: (p.NoArgs(), p.NoData()),
-    Op.RESUME: (p.GenArgs(gen=56), p.ResumeData(uids={"00000000000000aa": "ff00"}, need=["00000000000000bb"])),
+    Op.RESUME: (p.ResumeArgs(gen=56, release_net=True),
+                p.ResumeData(uids={"00000000000000aa": "ff00"}, need=["00000000000000bb"])),
     Op.RELAY: (p.RelayArgs(gen=56, uids={"00000000000000bb": "00ff"}), p.NoData()),
     Op.RUN: (p.GenArgs(gen=64), p.NoData()),
     Op.PERSIST: (p.PersistArgs(mode="keep-running", timeout_s=30.0, verify=False),
@@ -95,6 +98,16 @@ def test_payloads_are_the_plain_json_objects_of_before() -> None:
     # optional keys left out are left out on the wire
     assert Command("s.1.prepare", "s", "job", Op.PREPARE, 1.0, 1.0, p.PrepareArgs(mode="stop")).to_json()["args"] \
         == {"mode": "stop"}
+
+
+def test_the_capabilities_are_what_this_agent_answers_and_older_commands_read_the_same() -> None:
+    """Prepare's ``can`` names what the coordinator may fold into fewer rounds (machine.py); the commands of
+    before, without the new optional keys, are what an older coordinator sends and still read as they were."""
+    assert p.CAN == (p.NET_IN_CAPTURE,) and p.NET_IN_CAPTURE == "net-in-capture"
+    for op, args in ((Op.CAPTURE, {"mode": "keep-running", "gen": 8}), (Op.RESUME, {"gen": 16})):
+        wire = {"id": f"s.1.{op}", "snapshot": "s", "job": "job", "op": str(op), "budget_s": 5.0, "deadline": 1.0,
+                "args": args}
+        assert Command.from_json(wire).args == args and not set(args) & {"hold_net", "release_net"}
 
 
 def test_the_encoders_write_the_typed_shapes() -> None:

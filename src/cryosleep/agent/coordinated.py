@@ -13,10 +13,10 @@ takes over every rank of every node, and the rebuild's id relay, which crosses n
     targets      the targets the coordinator decided, written; answers awaited -> their counters, summed up
     quiesce      QUIESCE(gen); the fast path's device memory out
     net_hold     (keep-running) the sandbox's port on the job network disabled
-    capture      CUDA checkpoint + CRIU dump (keep-running: CUDA and device memory back at once)
+    capture      ([hold_net] the port disabled first) CUDA checkpoint + CRIU dump (keep-running: CUDA back)
     net_release  (keep-running) the port enabled again
-    resume       (ranks rebuilt by a failed REBUILD quiesced again) REBUILD(gen); the ids published here by
-                 rank-0 members -> the coordinator
+    resume       ([release_net] the port enabled first; ranks rebuilt by a failed REBUILD quiesced again)
+                 REBUILD(gen); the ids published here by rank-0 members -> the coordinator
     relay        the ids from other nodes written; every local rank RUNNING(gen)
     run          RUN: the gates open
     persist      the image committed to the local store and verified (stop: and to the remote store)
@@ -241,7 +241,7 @@ class CoordinatedNode:
                        "the coordinator aborts it; try again" if not self.at_cut else
                        "end the job and restore its last verified snapshot")
         self.log(f"snapshot {self.sid} was abandoned by its coordinator: rolled back here")
-        self._release_net()
+        self._net(False)
         cap.undo_capture()
         capture_snapshot.undo_nccl(cap.nccl, False, time.monotonic() + HOLD_GRACE_S)
         self._end("abandoned")
@@ -290,7 +290,7 @@ class CoordinatedNode:
         return {"ranks": agent.spec.ranks, "gen": self.nccl.gen if self.nccl is not None else 0,
                 "facts": capture_snapshot.host_facts(self.cap.criu, agent.runtime),
                 "net": bool(agent.spec.net),  # a job network to hold while the nodes are dumped
-                "learns": agent.learns_peers()}  # its overlay's peers follow the board: a migration needs to know
+                "learns": agent.learns_peers(), "can": list(msg.CAN)}  # learns: for a migration
 
     def hold(self, cmd: Command) -> msg.DrainData:
         return self._serial(self._hold, cmd)
@@ -344,9 +344,7 @@ class CoordinatedNode:
 
     def _net_hold(self, cmd: Command, args: msg.NoArgs) -> msg.NoData:
         self._current(cmd)
-        if self.agent.spec.net:
-            net_sandbox.hold(self.agent.state.init_pid, True)
-            self.net_held = True
+        self._net(True)
         return {}
 
     def net_release(self, cmd: Command) -> msg.NoData:
@@ -354,13 +352,14 @@ class CoordinatedNode:
 
     def _net_release(self, cmd: Command, args: msg.NoArgs) -> msg.NoData:
         self._current(cmd)
-        self._release_net()
+        self._net(False)
         return {}
 
-    def _release_net(self) -> None:
-        if self.net_held:
-            net_sandbox.hold(self.agent.state.init_pid, False)
-            self.net_held = False
+    def _net(self, held: bool) -> None:
+        """Held (net_hold, capture's hold_net) or released (net_release, resume's release_net, abort); idempotent."""
+        if self.agent.spec.net and self.net_held != held:
+            net_sandbox.hold(self.agent.state.init_pid, held)
+            self.net_held = held
 
     def net_peers(self, cmd: Command) -> msg.NetPeersData:
         return self._serial(self._net_peers, cmd)
@@ -393,13 +392,17 @@ class CoordinatedNode:
 
     def _capture(self, cmd: Command, args: msg.CaptureArgs) -> msg.PhasesData:
         cap = self._current(cmd)
+        if args.get("hold_net"):  # keep-running, msg.NET_IN_CAPTURE: until the resume command
+            self._net(True)
         cap.dump()
         return {"phases": cap.phases.rounded()}
 
     def resume(self, cmd: Command) -> msg.ResumeData:
         return self._serial(self._resume, cmd)
 
-    def _resume(self, cmd: Command, args: msg.GenArgs) -> msg.ResumeData:
+    def _resume(self, cmd: Command, args: msg.ResumeArgs) -> msg.ResumeData:
+        if args.get("release_net"):  # held since this node's capture; every node has dumped by now
+            self._net(False)
         nccl = self._driver(cmd)
         if nccl is None:
             return {"uids": {}, "need": []}
@@ -500,7 +503,7 @@ class CoordinatedNode:
             return {"state": "running"}
         problems: list[str] = []
         try:
-            self._release_net()
+            self._net(False)
         except CryosleepError as e:
             problems.append(f"{e.what}: {e.why}")
         if self.cap is not None:

@@ -1,4 +1,4 @@
-"""`cryosleep criu install|bundle|status`: provisioning CRIU in Cryosleep's private prefix."""
+"""`cryosleep criu install|bundle|status|build-uffd`: provisioning CRIU in Cryosleep's private prefix."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cryosleep.capture import criu_install
+from cryosleep.capture import criu_install, criu_uffd
 from cryosleep.cli.output import emit_json
 from cryosleep.core.debs import Say
 
@@ -27,6 +27,12 @@ def add_criu(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = csub.add_parser("status", help="which CRIU Cryosleep uses")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+    u = csub.add_parser("build-uffd", help="build the pinned CRIU with memory tracked by userfaultfd write-protect "
+                        "(criu-uffd, beside the prefix's criu; needs a compiler and CRIU's -dev packages: "
+                        "`make criu-uffd` installs them)")
+    u.add_argument("--force", action="store_true", help="build again even if it is built from this source and patch")
+    u.add_argument("--json", action="store_true")
+    u.set_defaults(func=cmd_build_uffd)
 
 
 def _progress(enabled: bool) -> Say | None:
@@ -59,8 +65,19 @@ def cmd_bundle(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_uffd(a: argparse.Namespace) -> int:
+    argv = criu_uffd.build(force=a.force, progress=_progress(not a.json))
+    st = criu_uffd.status()
+    if a.json:
+        emit_json({**st, "argv": list(argv)})
+    else:
+        print(f"criu-uffd ready at {st['criu_uffd']}; tracks memory on this kernel: "
+              + ("yes" if st["tracks"] else f"no ({st['why']})"))
+    return 0
+
+
 def cmd_status(a: argparse.Namespace) -> int:
-    st = criu_install.status()
+    st = {**criu_install.status(), "uffd": criu_uffd.status()}
     if a.json:
         emit_json(st)
     else:

@@ -13,14 +13,15 @@ operations are the capture steps of ``capture/snapshot.py``.
                targets to every node -> fresh summaries, until every member of every communicator issued the
                same calls (DONE) or the deadline (GIVE_UP)
     quiesce    (at_cut recorded first) every rank destroys its real NCCL communicators
-    capture    every node: CUDA checkpoint + CRIU dump, staged locally (keep-running: leave running, with the
-               job network held on every node from before the first dump to after the last; stop: leave
-               stopped)
+    capture    every node: CUDA checkpoint + CRIU dump, staged locally (stop: leave stopped; keep-running: leave
+               running, each node's job network held from before its own dump until every node's dump is
+               done: its capture command holds it first, and the resume command releases it)
     keep-running:
-      resume   REBUILD(g) on every node -> ids published by each communicator's rank-0 member relayed to the
-               other members wherever they run -> every rank RUNNING(g) -> RUN: the pause ends (a failed
-               rebuild is retried ``rebuild_retries`` times: every node quiesces its rebuilt ranks again,
-               then all rebuild; 0 for the coordinator, 1 for the embedded run)
+      resume   (the job network released first) REBUILD(g) on every node -> ids published by each
+               communicator's rank-0 member relayed to the other members wherever they run -> every rank
+               RUNNING(g) -> RUN: the pause ends (a failed rebuild is retried ``rebuild_retries`` times: every
+               node quiesces its rebuilt ranks again, then all rebuild; 0 for the coordinator, 1 for the
+               embedded run)
       persist  every node commits and verifies its image -> the snapshot is verified (valid)
     stop:
       persist  every node commits and verifies its image
@@ -35,6 +36,33 @@ After the point of no return nothing is rolled back: a node that fails to stop i
 stays valid.
 
 A rehearsal (``rehearsal``, one node only) is the sequence without capture and persist: drain, quiesce, resume.
+
+Rounds, and why there are no fewer. Each phase's rounds are barriers (every node answers before any gets the
+next command); a step is folded into the next round's command only where that barrier guards nothing:
+
+* The network hold rides on the capture command, its release on the resume command (agents whose prepare
+  answer says ``protocol.NET_IN_CAPTURE``, all of them; else separate net_hold and net_release rounds around
+  the dumps, as agents of before need). What the hold must give: no frame crosses between a node already
+  dumped and any other node until every node is dumped (else one image acknowledges bytes the other never
+  sent). Each node holds before its own dump and stays held until the resume command, which no node gets
+  before every node's capture answered: so it is. Two nodes not yet dumped may still exchange frames, as both
+  images then hold them; a frame to a held node is dropped and stays unacknowledged in its sender's image.
+* The hold is not folded into quiesce: QUIESCE flushes the collectives already issued (ncclCommFinalize), and
+  their bytes between nodes may still be under way when one node's quiesce is over; a node holding its network
+  then would stall another's flush until the deadline. Only the quiesce barrier (every node flushed) makes the
+  hold safe.
+* Prepare is alone: it touches nothing, so that a refusal leaves the job as it was.
+* Relay and run stay two rounds: RUN opens the gates, after which a rank runs past the cut; it must wait until
+  every rank of every node is RUNNING(g) (relay's answer), or a rebuild failing on one node could no longer
+  be undone on the others by quiescing again. Resume and relay cannot merge either: the ids a node needs are
+  published by rank-0 members on other nodes, known only from every node's resume answer. The relay could be
+  skipped where no communicator spans nodes, but a job of many nodes has one that does (its world's) unless it
+  has no NCCL at all, or only communicators within nodes; not done.
+* Run is not folded into persist (keep-running): the rollback must know whether every node's gates opened (an
+  abort at the cut, or after it). Only a failed run round leaves that open now, a step of milliseconds; folded,
+  so would any failure of the persist, which takes seconds (commit, verify), and a node lost while verifying.
+  Stop is not folded into persist: the point of no return (every node's image verified, written to the
+  catalog) comes between them.
 """
 
 from __future__ import annotations
@@ -51,6 +79,7 @@ from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.protocol import (
     GEN_STRIDE,
+    NET_IN_CAPTURE,
     AbortArgs,
     AbortData,
     CaptureArgs,
@@ -68,6 +97,7 @@ from cryosleep.coordinator.protocol import (
     PrepareData,
     RelayArgs,
     ReportArgs,
+    ResumeArgs,
     ResumeData,
     TargetsArgs,
     drain_summary,
@@ -188,6 +218,8 @@ class SnapshotSequence:
         self.rolling_back = False
         self.error: CryosleepError | None = None  # why the run failed (it was rolled back)
         self.holds_net = True  # some node has a job network to hold while dumping (its prepare answer says)
+        self.net_in_capture = False  # every node holds it in capture, releases it in resume (NET_IN_CAPTURE)
+        self.release_net = False  # the capture held the network: the resume releases it
         self.finished = threading.Event()  # set once the run is over and no longer the job's active one
 
     # ---- talking to every node ------------------------------------------------------------------------------
@@ -237,6 +269,8 @@ class SnapshotSequence:
         out: Outcome[PrepareData] = self.gather(Op.PREPARE, args, self.deadline)
         self.gen = max([int(d["gen"]) for d in out.ok.values()] + [0])
         self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has
+        # only if every node can: an agent of before would ignore hold_net, and dump with its network up
+        self.net_in_capture = all(NET_IN_CAPTURE in (d.get("can") or ()) for d in out.ok.values())
 
     def drain(self) -> Decision:
         gen = self.next_gen()
@@ -273,20 +307,29 @@ class SnapshotSequence:
         self.gather(Op.QUIESCE, GenArgs(gen=self.next_gen()), self.deadline)
 
     def capture(self) -> None:
-        """Keep-running: the job network is held on every node from before the first dump to after the last, so
-        that no byte crosses between a node already dumped (and running on) and one not yet dumped
-        (docs/network.md). A stop snapshot needs no hold: each node stays frozen after its dump."""
+        """Keep-running: each node's job network is held from before its dump until every node's dump is done,
+        so that no byte crosses between a node already dumped (and running on) and another (docs/network.md):
+        by the capture command itself, released by the resume command (``NET_IN_CAPTURE``), else by rounds of
+        their own before and after. A stop snapshot needs no hold: each node stays frozen after its dump."""
         keep = self.mode is Mode.KEEP_RUNNING and self.holds_network and self.holds_net
-        if keep:
+        args = CaptureArgs(mode=str(self.mode), gen=self.next_gen())
+        if keep and self.net_in_capture:
+            args["hold_net"] = self.release_net = True
+        elif keep:
+            self.log(f"snapshot {self.sid}: net_hold and net_release rounds (an agent without {NET_IN_CAPTURE})")
             self.gather(Op.NET_HOLD, NoArgs(), self.deadline)
-        self.gather(Op.CAPTURE, CaptureArgs(mode=str(self.mode), gen=self.next_gen()), self.deadline)
-        if keep:
+        self.gather(Op.CAPTURE, args, self.deadline)
+        if keep and not self.release_net:
             self.gather(Op.NET_RELEASE, NoArgs(), self.deadline)
 
-    def rebuild_all(self, deadline: float) -> None:
-        """REBUILD(g) everywhere, ids relayed across nodes, every rank RUNNING(g), then RUN."""
+    def rebuild_all(self, deadline: float, release_net: bool = False) -> None:
+        """(the job network released first) REBUILD(g) everywhere, ids relayed across nodes, every rank
+        RUNNING(g), then RUN."""
         gen = self.next_gen()
-        out: Outcome[ResumeData] = self.gather(Op.RESUME, GenArgs(gen=gen), deadline)
+        args = ResumeArgs(gen=gen)
+        if release_net:
+            args["release_net"] = True
+        out: Outcome[ResumeData] = self.gather(Op.RESUME, args, deadline)
         uids: dict[str, str] = {}
         for d in out.ok.values():
             uids.update({str(k): str(v) for k, v in d["uids"].items()})
@@ -303,7 +346,7 @@ class SnapshotSequence:
         deadline = max(self.deadline, time.monotonic() + self.cfg.rollback_s)
         for attempt in range(self.cfg.rebuild_retries + 1):
             try:
-                self.rebuild_all(deadline)
+                self.rebuild_all(deadline, self.release_net)  # on a retry too: a release is idempotent
                 break
             except CaptureFailed as e:  # every node quiesces its rebuilt ranks again at the next resume
                 if attempt == self.cfg.rebuild_retries:

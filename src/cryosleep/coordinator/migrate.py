@@ -57,6 +57,7 @@ from cryosleep.coordinator.protocol import (
     PrepareArgs,
     PrepareData,
     RelayArgs,
+    ResumeArgs,
     ResumeData,
 )
 from cryosleep.coordinator.rendezvous import Board
@@ -250,7 +251,7 @@ class MigrateRun(SnapshotRun):
 
     def rebuild(self, deadline: float) -> None:
         gen = self.rebuild_gen
-        out: Outcome[ResumeData] = self.gather(Op.RESUME, GenArgs(gen=gen), deadline, nodes=self.staying)
+        out: Outcome[ResumeData] = self.gather(Op.RESUME, ResumeArgs(gen=gen), deadline, nodes=self.staying)
         uids: dict[str, str] = {}
         for d in out.ok.values():
             uids.update({str(k): str(v) for k, v in d["uids"].items()})

@@ -31,7 +31,7 @@ Operations, in the order a snapshot uses them (``args`` -> ``data``; ``[key]``: 
 op          args                                              data (on success)
 ==========  ================================================  ====================================================
 prepare     mode [rehearsal]                                  ranks, gen (largest NCCL generation seen), facts
-                                                              [net, learns]
+                                                              [net, learns, can]
 hold        gen, hold_s (how long the interceptors may hold)  summary: the local ranks held, their counters summed
             [summary]                                         up (cut.summary.summarize)
 report      round [wait_s, summary]                           summary (of fresh counters)
@@ -39,9 +39,9 @@ targets     round, targets (only communicators it holds)      summary, read afte
             [summary]
 quiesce     gen                                               records (the interceptors at the cut)
 net_hold    -                                                 (keep-running: no frame crosses between nodes)
-capture     mode, gen                                         phases (CUDA checkpoint, CRIU dump, staged locally)
+capture     mode, gen [hold_net]                              phases (CUDA checkpoint, CRIU dump, staged locally)
 net_release -                                                 (the job network carries frames again)
-resume      gen (the REBUILD generation, the same on all)     uids {ident: hex} it published, need [ident]
+resume      gen (REBUILD's, the same on all) [release_net]    uids {ident: hex} it published, need [ident]
 relay       gen, uids {ident: hex}                            (every local rank answered RUNNING(gen))
 run         gen                                               (the gates are open)
 persist     mode [timeout_s, verify]                          image (an ImageRef: reference, bytes, sha256...), [phases]
@@ -58,6 +58,15 @@ maxima, what the node's held ranks wait to issue, the targets written, its membe
 line or two on why), not every rank's counters, when the command asks for one (``summary``: a coordinator of
 protocol 3); else ``views`` (every rank's counters), as to a coordinator of protocol 2. An agent of protocol 2
 answers ``views`` whatever is asked: the coordinator summarizes them itself (``drain_summary``).
+
+**Capabilities.** A prepare answer's ``can`` lists what the agent does beyond the ops above, so that a coordinator
+uses it only when every node of the snapshot says so, and the rounds of before otherwise (an agent of before
+ignores arguments it does not know: told ``hold_net``, it would dump without holding its network):
+
+* ``net-in-capture`` (``NET_IN_CAPTURE``): capture told ``hold_net`` holds the node's job network first (what
+  net_hold does), then dumps; resume told ``release_net`` releases it first (what net_release does), then
+  rebuilds. A keep-running snapshot then needs no net_hold and no net_release round (machine.py says why the
+  guarantee is the same).
 
 ``gen``: the first NCCL command generation the agent may write for this command; it may use ``gen`` up to
 ``gen + GEN_STRIDE - 1`` (resume's REBUILD is exactly ``gen``, so that relayed ids match on every node).
@@ -86,6 +95,8 @@ from cryosleep.errors import CryosleepError, ProtocolError
 PROTOCOL_VERSION = 3
 GEN_STRIDE = 8  # generations reserved per command (HOLD + QUIESCE of a re-quiesce, REBUILD + RUN, ...)
 API = "/v1"
+NET_IN_CAPTURE = "net-in-capture"  # a capability (prepare's ``can``): capture [hold_net], resume [release_net]
+CAN: tuple[str, ...] = (NET_IN_CAPTURE,)  # what this package's agent can (agent/coordinated.py answers it at prepare)
 
 
 class Op(enum.StrEnum):
@@ -147,6 +158,7 @@ class PrepareData(TypedDict):
     facts: dict[str, Any]  # the host's facts (capture.snapshot.host_facts)
     net: NotRequired[bool]  # a job network to hold while the nodes are dumped (an older agent: assume so)
     learns: NotRequired[bool]  # its overlay's peers follow the coordinator's board (a migration reads it)
+    can: NotRequired[list[str]]  # its capabilities (NET_IN_CAPTURE); an older agent: none
 
 
 class HoldArgs(TypedDict):
@@ -222,9 +234,14 @@ class DrainData(TypedDict):
 
 
 class GenArgs(TypedDict):
-    """quiesce, resume (its REBUILD generation, the same on all nodes), run."""
+    """quiesce, run."""
 
     gen: int
+
+
+class ResumeArgs(TypedDict):
+    gen: int  # the REBUILD generation, the same on all nodes
+    release_net: NotRequired[bool]  # (NET_IN_CAPTURE) the job network held at capture released first
 
 
 class QuiesceData(TypedDict):
@@ -234,6 +251,7 @@ class QuiesceData(TypedDict):
 class CaptureArgs(TypedDict):
     mode: str
     gen: int
+    hold_net: NotRequired[bool]  # (NET_IN_CAPTURE, keep-running) the job network held first, until resume
 
 
 class PhasesData(TypedDict):
@@ -299,7 +317,7 @@ class FinishData(TypedDict):
 PAYLOADS: dict[Op, tuple[type, type]] = {
     Op.PREPARE: (PrepareArgs, PrepareData), Op.HOLD: (HoldArgs, DrainData), Op.REPORT: (ReportArgs, DrainData),
     Op.TARGETS: (TargetsArgs, DrainData), Op.QUIESCE: (GenArgs, QuiesceData), Op.NET_HOLD: (NoArgs, NoData),
-    Op.CAPTURE: (CaptureArgs, PhasesData), Op.NET_RELEASE: (NoArgs, NoData), Op.RESUME: (GenArgs, ResumeData),
+    Op.CAPTURE: (CaptureArgs, PhasesData), Op.NET_RELEASE: (NoArgs, NoData), Op.RESUME: (ResumeArgs, ResumeData),
     Op.RELAY: (RelayArgs, NoData), Op.RUN: (GenArgs, NoData), Op.PERSIST: (PersistArgs, PersistData),
     Op.STOP: (NoArgs, StopData), Op.ABORT: (AbortArgs, AbortData), Op.END: (EndArgs, NoData),
     Op.NET_PEERS: (NetPeersArgs, NetPeersData), Op.FINISH: (NoArgs, FinishData)}

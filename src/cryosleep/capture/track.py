@@ -1,0 +1,111 @@
+"""Having a job's processes track their own writes, for criu-uffd's pre-copy (docs/precopy.md).
+
+Each process with the interceptor preloaded and ``CRYOSLEEP_TRACK_DIR`` set runs a tracker thread
+(native/nccl/interceptor/track.c). ``Tracker.register`` asks the given processes to register their private
+writable memory with a userfaultfd in the asynchronous write-protect mode, takes each fd (``pidfd_getfd``) and
+tells the process, which then closes its own: the process holds no userfaultfd (CRIU could not dump it), and the
+fd held here keeps the tracking alive until ``forget``/``close``. A process that does not answer in time (no
+tracker: a program without the preload, a static binary) is not tracked: criu-uffd dumps it whole.
+
+The exchange is files named by PID in the directory (``PID.req``, ``PID.ack``, ``PID.taken``), each written to a
+temporary name and renamed; track.c's header has the format.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "CRYOSLEEP_TRACK_DIR"
+SYS_PIDFD_GETFD = 438  # the same number on every architecture (the generic syscall table)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def pidfd_getfd(pid: int, fd: int) -> int:
+    """A duplicate, in this process, of process ``pid``'s fd ``fd`` (needs ptrace access to it)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        got = int(_libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0))
+    finally:
+        os.close(pidfd)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pidfd_getfd of fd {fd} of process {pid}: {os.strerror(err)}")
+    return got
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One process's answer to a round: ``vmas`` mappings (``bytes`` bytes) newly registered; ``error`` the errno
+    of a mapping that could not be (0: none)."""
+
+    pid: int
+    vmas: int
+    bytes: int
+    error: int = 0
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+class Tracker:
+    """The fds that keep a job's processes' memory tracked, and the rounds that register it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.gen = 0
+        self.fds: dict[int, list[int]] = {}
+
+    def register(self, pids: Iterable[int], timeout_s: float = 2.0) -> dict[int, Registered]:
+        """Asks every process in ``pids`` to register what it has not registered yet; returns the answers of those
+        that answered within ``timeout_s`` (the others are not tracked)."""
+        self.gen += 1
+        gen = self.gen
+        waiting = set(pids)
+        for pid in waiting:
+            _write(self.dir / f"{pid}.req", f"{gen}\n")
+        out: dict[int, Registered] = {}
+        end = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < end:
+            for pid in sorted(waiting):
+                try:
+                    fields = (self.dir / f"{pid}.ack").read_text().split()
+                except OSError:
+                    continue
+                if len(fields) != 5 or int(fields[0]) != gen:
+                    continue
+                waiting.discard(pid)
+                fd, vmas, size, err = (int(x) for x in fields[1:])
+                if fd >= 0:
+                    try:
+                        self.fds.setdefault(pid, []).append(pidfd_getfd(pid, fd))
+                    except OSError:
+                        continue  # gone meanwhile, or the fd closed after its wait ran out: not tracked
+                    _write(self.dir / f"{pid}.taken", f"{gen}\n")
+                out[pid] = Registered(pid, vmas, size, err)
+            if waiting:
+                time.sleep(0.01)
+        return out
+
+    def tracked(self) -> list[int]:
+        return sorted(self.fds)
+
+    def forget(self, pid: int) -> None:
+        """Stops tracking ``pid`` (it exited, or is restored anew)."""
+        for fd in self.fds.pop(pid, []):
+            os.close(fd)
+        for what in ("req", "ack", "taken"):
+            (self.dir / f"{pid}.{what}").unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for pid in list(self.fds):
+            self.forget(pid)
