@@ -171,3 +171,26 @@ def test_held_raise_is_the_largest_held_count_in_any_order(held: list[int], targ
     assert visit(held) == visit(list(reversed(held))) == visit(sorted(held)) == want
     if target >= max(held):
         assert want == (target + 1 if target in held else target)
+
+
+def test_a_pair_beyond_a_truncated_peer_list_counts_only_the_sides_that_see_it() -> None:
+    """Per-peer lists hold ``min(nranks, MAX_PEERS)`` entries: here 2 of 3. Comm rank 0's receive-from-0 count on
+    comm rank 2 is a pair (0 -> 2) that rank 0's own slot cannot hold (its send list stops at peer 1): the cut
+    is done when rank 2's side holds the target, as the rules over the views say."""
+    def slot(me: int, **kw: object) -> CommSlot:
+        base: dict[str, object] = dict(index=0, state=SlotState.LIVE, vid=1, ident=7, rank=me, nranks=3,
+                                       parent_vid=0, color=0, key=0, rebuild=Rebuild.FROM_ID, flags=0, device=-1,
+                                       seq=1, coll_target=1, uid_gen=0, waiting=0, waiting_kind=0, waiting_peer=-1,
+                                       send=(0, 0), recv=(0, 0), send_target=(0, 0), recv_target=(0, 0))
+        base.update(kw)
+        return CommSlot(**base)  # type: ignore[arg-type]
+    views = [RankView(r, (s,), settled=True, targets_gen=2, settled_gen=2)
+             for r, s in enumerate([slot(0), slot(1), slot(2, recv=(1, 0), recv_target=(1, 0))])]
+    floor = {7: CommTarget(1, {(0, 2): 1})}
+    want = ref.decide(0.0, 10.0, views, floor)
+    assert want.action.value == "done"
+    for parts in ([views], [views[:1], views[1:]], [[v] for v in views]):
+        _same(decide_nodes(0.0, 10.0, [summarize(p) for p in parts], floor), want)
+    # and with rank 2's side not yet written: a write, as the rules say
+    stale = [*views[:2], RankView(2, (slot(2, recv=(1, 0)),), settled=True, targets_gen=2, settled_gen=2)]
+    assert decide_nodes(0.0, 10.0, [summarize(stale)], floor).action == ref.decide(0.0, 10.0, stale, floor).action
