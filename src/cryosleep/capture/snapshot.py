@@ -63,7 +63,7 @@ from typing import Any
 
 from cryosleep import __version__, paths
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, eligibility, files, netlock, outbound
+from cryosleep.capture import criu_install, criu_stats, cuda, eligibility, files, netlock, outbound
 from cryosleep.core import proctree, procwatch
 from cryosleep.core.interceptor import ControlBlock, attach_published
 from cryosleep.core.job import JobSpec
@@ -204,6 +204,7 @@ class NodeCapture:
         self.held = False  # CRIU left the tree stopped (a stop snapshot's dump): released by rollback or end
         self.committed = False
         self.dump_rid: str | None = None
+        self.criu_s = 0.0  # how long the CRIU process of the dump ran
         self.dumped = False
         self.tree: list[int] = []
         self.watch: proctree.Watch | None = None  # the tree's processes at the preflight: which end, and how
@@ -392,6 +393,7 @@ class NodeCapture:
                 self.record(None)  # CRIU is gone, and what it left undone
                 raise
             self.dump_rid = res.run_id
+            self.criu_s = res.criu_s
             self.held = self.stop
             # a stop dump holds the job under its lock until end() or the rollback removes it
             self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
@@ -426,6 +428,7 @@ class NodeCapture:
         if nccl is not None and any(b.devmem.stage_path for b in nccl.blocks.values()):  # mapped: CRIU needs them
             with self.phases.phase("devmem"):
                 self.gpu_facts.fast_path = save_devmem(nccl, self.fast, self.fast_skipped, node_dir, devmem_sums)
+        criu_profile = criu_stats.read(node_dir, self.criu_s)  # CRIU's own breakdown of the dump's freeze
         with self.phases.phase("checksum"):
             image_files = hash_tree(staging.path, [f"nodes/{self.node_rank}"], known=devmem_sums)
             staged = files.read_index(node_dir / "files")
@@ -434,7 +437,7 @@ class NodeCapture:
         node = NodeImage(node_rank=self.node_rank, ranks=target.spec.ranks, init_pid=target.init_pid,
                          files=image_files, staged=staged, processes=len(self.tree), rss_bytes=self.rss,
                          gpu=self.gpu_facts, mounts=self.mounts, nccl=self.nccl_info, expected=expected,
-                         outbound=self.outbound_facts)
+                         outbound=self.outbound_facts, criu=criu_profile)
         manifest = Manifest(
             id=staging.id, job=target.spec.to_json(), mode="stop" if self.stop else "keep-running",
             created_at=time.time(), nodes=[node], host=host_facts(self.criu, target.runtime),
