@@ -194,11 +194,13 @@ def criu_words(res: dict[str, object]) -> str:
     frozen, memdump, memwrite = float(c["frozen_s"]), float(c["memdump_s"]), float(c["memwrite_s"])
     rate = int(c["pages_written"]) * 4096 / memwrite / 1e9 if memwrite else 0.0
     scripts = dict(c.get("scripts_s") or {})
-    outside = float(dict(res.get("phases") or {}).get("dump", 0.0)) - float(c["freezing_s"]) - frozen  # type: ignore[call-overload]
+    held = float(c.get("held_s", 0.0))
+    outside = held - float(c["freezing_s"]) - frozen  # the job held, not by CRIU's freeze
     return (f"freezing {float(c['freezing_s']):.3f}, frozen {frozen:.2f} = drain {memdump - memwrite:.2f} + "
             f"write {memwrite:.2f} ({rate:.2f} GB/s) + rest {frozen - memdump:.2f} (post-dump hook "
-            f"{float(scripts.get('post-dump', 0.0)):.3f}); outside CRIU's freeze {outside:.2f} "
-            f"(CRIU ran {float(c.get('run_s', 0.0)):.2f})")
+            f"{float(scripts.get('post-dump', 0.0)):.3f}); job held {held:.2f}, of which outside CRIU's freeze "
+            f"{outside:.2f} (its stop {float(c.get('stopping_s', 0.0)):.3f}; "
+            f"CRIU ran {float(c.get('run_s', 0.0)):.2f})")
 
 
 def say(mem: int, kind: str, path: str, res: dict[str, object]) -> None:

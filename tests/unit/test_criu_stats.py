@@ -40,11 +40,11 @@ def test_a_real_stats_image_decodes() -> None:
 def test_the_node_record_from_the_stats_and_the_log(tmp_path: Path) -> None:
     (tmp_path / criu_stats.STATS_FILE).write_bytes(REAL)
     (tmp_path / "dump.log").write_text(LOG)
-    rec = criu_stats.read(tmp_path, 4.25)
+    rec = criu_stats.read(tmp_path, 4.25, 4.3, 0.01)
     assert rec is not None
     assert rec.frozen_s == pytest.approx(4.112979) and rec.memwrite_s == pytest.approx(3.537959)
     assert rec.scripts_s == {"pre-dump": pytest.approx(0.005015), "post-dump": pytest.approx(0.017931)}
-    assert rec.run_s == 4.25
+    assert (rec.run_s, rec.held_s, rec.stopping_s) == (4.25, 4.3, 0.01)
     # the record travels in the manifest and reads back typed
     node = NodeImage(node_rank=0, ranks=[0, 1], init_pid=1, criu=rec)
     m = Manifest(id="j-1", job={"name": "j"}, mode="keep-running", created_at=0.0, nodes=[node], host={},

@@ -47,6 +47,8 @@ class DumpResult:
     run_id: str | None
     log: Path
     criu_s: float = 0.0  # of ``seconds``, the CRIU process's own run (its start to its exit)
+    held_s: float = 0.0  # the job's tasks held: from their SIGSTOP to their SIGCONT (a stop dump: to CRIU's exit)
+    stopping_s: float = 0.0  # of that, until every task had stopped (before CRIU started)
 
 
 def log_tail(log: Path, lines: int = 12) -> str:
@@ -257,7 +259,9 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     alive = [p for p in tree if proctree.state(p) not in ("Z", "X", "gone")]
     watch = proctree.Watch(alive)  # how those that end do: one that exits 0 before it is stopped is churn
     hook = start_hook(full_env, timeout)  # before the freeze: its imports are not the job's pause
+    held = time.monotonic()
     stop_tasks(tree)
+    stopping_s = time.monotonic() - held
     try:
         # CRIU's output goes to a file, never a pipe: a helper CRIU forked and left stopped would hold a pipe
         # open (and the wait with it) long after CRIU is gone; the wait is on CRIU's exit (a pidfd) instead.
@@ -322,7 +326,7 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
         stop_hook(hook)
     if leave == "running":
         continue_tasks(proctree.tree(root_pid) or tree)
-    return DumpResult(elapsed, rid, log, criu_s)
+    return DumpResult(elapsed, rid, log, criu_s, time.monotonic() - held, stopping_s)
 
 
 def protected(cmd: list[str]) -> list[str]:

@@ -121,9 +121,9 @@ def script_times(log: Path) -> dict[str, float]:
     return out
 
 
-def read(node_dir: Path, run_s: float) -> CriuDump | None:
+def read(node_dir: Path, run_s: float, held_s: float = 0.0, stopping_s: float = 0.0) -> CriuDump | None:
     """CRIU's breakdown of the dump into ``node_dir`` (None when CRIU left no readable stats image: a profile
-    never fails a snapshot). ``run_s``: how long the CRIU process ran."""
+    never fails a snapshot); ``run_s``, ``held_s``, ``stopping_s``: the dump's own times (capture.criu.DumpResult)."""
     try:
         s = decode_dump_stats((node_dir / STATS_FILE).read_bytes())
     except (OSError, ValueError):
@@ -131,4 +131,5 @@ def read(node_dir: Path, run_s: float) -> CriuDump | None:
     return CriuDump(
         freezing_s=s["freezing_time"] / 1e6, frozen_s=s["frozen_time"] / 1e6, memdump_s=s["memdump_time"] / 1e6,
         memwrite_s=s["memwrite_time"] / 1e6, pages_scanned=s["pages_scanned"], pages_written=s["pages_written"],
-        scripts_s=script_times(node_dir / "dump.log"), run_s=round(run_s, 6))
+        scripts_s=script_times(node_dir / "dump.log"), run_s=round(run_s, 6), held_s=round(held_s, 6),
+        stopping_s=round(stopping_s, 6))

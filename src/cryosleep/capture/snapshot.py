@@ -204,7 +204,7 @@ class NodeCapture:
         self.held = False  # CRIU left the tree stopped (a stop snapshot's dump): released by rollback or end
         self.committed = False
         self.dump_rid: str | None = None
-        self.criu_s = 0.0  # how long the CRIU process of the dump ran
+        self.dump_times = (0.0, 0.0, 0.0)  # the dump's CRIU run, the job held, its stopping (criu.DumpResult)
         self.dumped = False
         self.tree: list[int] = []
         self.watch: proctree.Watch | None = None  # the tree's processes at the preflight: which end, and how
@@ -393,7 +393,7 @@ class NodeCapture:
                 self.record(None)  # CRIU is gone, and what it left undone
                 raise
             self.dump_rid = res.run_id
-            self.criu_s = res.criu_s
+            self.dump_times = (res.criu_s, res.held_s, res.stopping_s)
             self.held = self.stop
             # a stop dump holds the job under its lock until end() or the rollback removes it
             self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
@@ -428,7 +428,7 @@ class NodeCapture:
         if nccl is not None and any(b.devmem.stage_path for b in nccl.blocks.values()):  # mapped: CRIU needs them
             with self.phases.phase("devmem"):
                 self.gpu_facts.fast_path = save_devmem(nccl, self.fast, self.fast_skipped, node_dir, devmem_sums)
-        criu_profile = criu_stats.read(node_dir, self.criu_s)  # CRIU's own breakdown of the dump's freeze
+        criu_profile = criu_stats.read(node_dir, *self.dump_times)  # CRIU's own breakdown of the dump's freeze
         with self.phases.phase("checksum"):
             image_files = hash_tree(staging.path, [f"nodes/{self.node_rank}"], known=devmem_sums)
             staged = files.read_index(node_dir / "files")

@@ -378,6 +378,10 @@ class CriuDump:
     pages_written: int
     scripts_s: dict[str, float] = field(default_factory=dict)  # per action ("pre-dump", "post-dump"): our hook
     run_s: float = 0.0  # the CRIU process, from its start to its exit
+    # The job's tasks held by the dump (capture.criu.dump stops them before CRIU starts): from their SIGSTOP to
+    # their SIGCONT (a stop dump: to CRIU's exit), and of that, until they had all stopped
+    held_s: float = 0.0
+    stopping_s: float = 0.0
 
 
 @dataclass
