@@ -7,7 +7,10 @@
 For each size it starts ddp_basic (gloo DDP, AdamW; with --gpu: tests/gpu/workloads/cuda_train.py, its
 extra state in device memory) with that much extra state per rank under
 `cryosleep run`, takes ``--keep`` keep-running snapshots (2) and a stop snapshot, restores, and prints one
-markdown row per snapshot: pause, each phase, image bytes and the workers' resident memory; for the restore,
+markdown row per snapshot: pause (and per GiB of extra state per rank, and of the whole image), each phase,
+CRIU's own breakdown of the dump (capture/criu_stats.py: freezing, drain, write, the rest, the post-dump hook,
+the job held outside CRIU's freeze), image bytes and the workers' resident memory; for a stop snapshot, the
+baseline measured in the same run: its image's bytes written and fsynced to the store's filesystem; for the restore,
 the time from `cryosleep restore` to the job's next step line (its s/GiB: per GiB of the whole image restored).
 The job's step times (when rank 0 logged each
 step) give two more numbers: before the first snapshot, the median and longest gap between steps (with
@@ -267,18 +270,19 @@ def main() -> None:
             finally:
                 end_job(tmp, name)
     finally:
-        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | s/GiB | job's step gap s | "
-              "gap s/GiB of image | phases (s) | CRIU's breakdown of the dump (s) | image | workers' RSS |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | s/GiB of extra | "
+              "s/GiB of image | job's step gap s | gap s/GiB of image | phases (s) | CRIU's breakdown of the dump (s) "
+              "| image | workers' RSS |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for mem, kind, res in rows:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]
             if kind.startswith("steps"):
-                print(f"| {mem} | {kind}: the job before the first snapshot | - | - | "
+                print(f"| {mem} | {kind}: the job before the first snapshot | - | - | - | "
                       f"{res.get('longest_gap_s', '-')} | - | {res.get('steps')} steps, median gap "
                       f"{res.get('median_gap_s')} s, {res.get('over_2x_median')} over twice the median | - | - | - |")
                 continue
             if kind.startswith("failed"):
-                print(f"| {mem} | {kind} | - | - | - | - | {res['error']} | - | - | - |".replace("\n", " "))
+                print(f"| {mem} | {kind} | - | - | - | - | {res['error']} | - | - | - | - |".replace("\n", " "))
                 continue
             if kind.startswith("restore"):  # s/GiB: of the whole image (every rank's memory and the rest)
                 per = f"{float(res['first_step_s']) / (int(res['bytes']) / 2**30):.3f}"  # type: ignore[call-overload]
@@ -286,7 +290,7 @@ def main() -> None:
                 if streamed.get("bytes"):
                     phases += f" (pages hashed meanwhile: {int(streamed['bytes']) / 2**20:.0f} MiB in " \
                               f"{float(streamed['seconds']):.2f} s)"
-                print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | {per} | - | - | {phases} "
+                print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | - | {per} | - | - | {phases} "
                       f"| - | {int(res['bytes']) / 2**20:.0f} MiB | - |")  # type: ignore[call-overload]
                 continue
             per = f"{float(res['pause_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
@@ -298,7 +302,8 @@ def main() -> None:
             if res.get("disk_write_s") is not None:  # the stop snapshot: against writing its bytes to that disk
                 phases += f" (the image's bytes written and fsynced to the store's disk: {res['disk_write_s']} s)"
             sizes = f"{int(res['bytes']) / 2**20:.0f} MiB | {int(res['rss_bytes']) / 2**20:.0f} MiB"  # type: ignore[call-overload]
-            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {gap} | {gap_per} | {phases} | "
+            image_per = f"{float(res['pause_s']) / gib:.3f}"  # type: ignore[arg-type]
+            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {image_per} | {gap} | {gap_per} | {phases} | "
                   f"{criu_words(res)} | {sizes} |")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
