@@ -31,7 +31,7 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
     checksum   size and SHA-256 of every image file, and of the files the job only reads (libraries,
                datasets: checked at restore) unless cached (the job is already running again)
     commit     manifest written, snapshot published atomically in the store
-    verify     (stop) every file re-read and checked against the manifest
+    verify     (stop) every file flushed to its disk (fsync), re-read and checked against the manifest
     persist    (stop, when the job has a remote store) every chunk stored and re-read from it, inside the
                deadline (keep-running snapshots persist in the background, after the snapshot)
     end        (stop) the held job is killed; it lives on only in the snapshot
@@ -453,12 +453,16 @@ class NodeCapture:
         return manifest
 
     def verify(self, timeout: float) -> None:
-        """Every stored file re-read and checked against the manifest, inside the deadline."""
+        """(stop) Every stored file made durable (CRIU and the staging write into the page cache, and the stop
+        snapshot ends the job: its image must outlive a crash of the machine), then every stored file re-read
+        and checked against the manifest, inside the deadline."""
         assert self.manifest is not None
         with self.phases.phase("verify"):
             if time.monotonic() > self.deadline:
                 raise CaptureFailed(f"the stop snapshot ran past its {timeout:g} s timeout", "",
                                     "retry with a longer --timeout")
+            if self.stop:
+                durable(self.store.snapshots / self.manifest.id, [f.path for n in self.manifest.nodes for f in n.files])
             bad = self.store.verify(self.manifest.id)
             if bad:
                 raise CaptureFailed("the stored image failed verification", "; ".join(bad[:5]),
@@ -552,6 +556,20 @@ class NodeCapture:
 
 DEVMEM_DIR = "devmem"
 DEVMEM_PIECE = 1 << 30  # each rank's device memory is imaged in pieces of this size, copied and hashed in parallel
+
+
+def durable(base: Path, rels: list[str]) -> None:
+    """Each file (relative to ``base``) flushed to its disk; CaptureFailed naming the first that cannot be."""
+    for rel in rels:
+        try:
+            fd = os.open(base / rel, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CaptureFailed(f"the image file {rel} could not be written to its disk", e.strerror or str(e),
+                                "check the store's disk; the job was resumed") from None
 
 
 def devmem_piece_size() -> int:
