@@ -156,8 +156,9 @@ def start_hook(env: dict[str, str], timeout: float) -> tuple[subprocess.Popen[by
         os.mkfifo(f"{fifo}.in", 0o600)
         os.mkfifo(f"{fifo}.out", 0o600)
         argv = [sys.executable, "-m", "cryosleep.capture.hook", "--serve", str(fifo), f"{timeout:.3f}"]
-        # it dies with the agent: a dead agent's dump is ended by its watchdog, the job with it
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        # out of the OOM killer's reach like CRIU (it ran as CRIU's child before), and it dies with the agent: a
+        # dead agent's dump is ended by its watchdog, the job with it
+        proc = subprocess.Popen(protected(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
     except OSError:
         shutil.rmtree(fifo_dir, ignore_errors=True)
