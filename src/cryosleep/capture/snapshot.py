@@ -20,6 +20,10 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
                (GPU jobs) every CUDA process locked, then its device memory moved to host memory
     dump       CRIU freezes the tree, writes its image, stages the job's files and the NCCL control
                blocks, then resumes it (keep-running) or holds it stopped (stop)
+    dump-record
+               (CPU jobs without NCCL) the dump's records for a survivor of the agent, saved while the job runs:
+               before CRIU stops it, and after a keep-running dump (a GPU or NCCL job, paused then, counts them
+               in ``dump``)
     cuda-restore, cuda-unlock
                (GPU jobs, keep-running) device memory back, CUDA calls released
     reload     (fast path, keep-running) the offloaded device memory back at its addresses
@@ -368,22 +372,27 @@ class NodeCapture:
             with self.phases.phase("cuda-checkpoint"):
                 self.gpus.checkpoint()
         assert self.staging is not None
-        with self.phases.phase("dump"):
-            extra = {"CRYOSLEEP_FAULT": self.fault} if self.fault else {}
-            nccl = self.nccl
-            if nccl is not None:  # the control blocks, copied while CRIU holds the tree frozen
-                extra["CRYOSLEEP_HOOK_EXTRA_FILES"] = os.pathsep.join(str(b.path) for b in nccl.blocks.values())
-                stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
-                if stages:  # the fast path's staging files: copied in ``commit``, outside the freeze
-                    extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
+        # The dump's records for a survivor of this agent (saved with an fsync: on the disk CRIU fills, one took up to
+        # 2 s here) are counted in the pause only where the job is paused then: a CPU job's runs until CRIU stops
+        # it and again as soon as CRIU is done with a keep-running dump; a GPU or NCCL job's is paused throughout.
+        paused = bool(self.gpus.pids) or self.nccl is not None
+        node_dir = self.staging.node_dir(self.node_rank)
+        rec = netlock.DumpRecord(str(node_dir))
+        extra = {"CRYOSLEEP_FAULT": self.fault} if self.fault else {}
+        nccl = self.nccl
+        if nccl is not None:  # the control blocks, copied while CRIU holds the tree frozen
+            extra["CRYOSLEEP_HOOK_EXTRA_FILES"] = os.pathsep.join(str(b.path) for b in nccl.blocks.values())
+            stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
+            if stages:  # the fast path's staging files: copied in ``commit``, outside the freeze
+                extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
+        with self.phases.phase("dump" if paused else "dump-record"):
             if failed := self.failed_processes():  # an image now would hold a job that fails at once (chaos
                 raise JobEnding(  # seed 301: a DataLoader worker killed before the dump)
                     f"processes of job {self.target.spec.name!r} ended before the dump",
                     f"since the snapshot began, {failed}",
                     "a failing or ending job cannot be captured; its last snapshot is still valid")
-            node_dir = self.staging.node_dir(self.node_rank)
-            rec = netlock.DumpRecord(str(node_dir))
             self.record(rec)
+        with self.phases.phase("dump"):
             try:
                 res = criu_calls.dump(self.criu, self.target.init_pid, node_dir,
                                       leave="stopped" if self.stop else "running", timeout=self.time_left(),
@@ -395,10 +404,11 @@ class NodeCapture:
             self.dump_rid = res.run_id
             self.dump_times = (res.criu_s, res.held_s, res.stopping_s)
             self.held = self.stop
-            # a stop dump holds the job under its lock until end() or the rollback removes it
-            self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
             self.dumped = True
             self.dumped_at = time.monotonic()
+        with self.phases.phase("dump" if paused or self.stop else "dump-record"):
+            # a stop dump holds the job under its lock until end() or the rollback removes it
+            self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
         if self.gpus.pids and not self.stop:
             with self.phases.phase("cuda-restore"):
                 self.gpus.restore()
