@@ -151,7 +151,11 @@ def start_hook(env: dict[str, str], timeout: float) -> tuple[subprocess.Popen[by
     a directory of its own (never the node's: the image's checksum would open them); it serves one post-dump
     within ``timeout`` and exits. Sets ``CRYOSLEEP_HOOK_FIFO`` in ``env`` for the action script. None when it
     cannot be started: the script then runs the hook itself."""
-    fifo_dir = Path(tempfile.mkdtemp(prefix="cryosleep-hook-"))
+    for stale in Path(tempfile.gettempdir()).glob("cryosleep-hook-*-*"):  # an agent that died mid-dump left them
+        owner = stale.name.split("-")[2]
+        if owner.isdigit() and not proctree.alive(int(owner)):
+            shutil.rmtree(stale, ignore_errors=True)
+    fifo_dir = Path(tempfile.mkdtemp(prefix=f"cryosleep-hook-{os.getpid()}-"))
     fifo = fifo_dir / "hook"
     try:
         os.mkfifo(f"{fifo}.in", 0o600)
