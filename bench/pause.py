@@ -7,7 +7,10 @@
 For each size it starts ddp_basic (gloo DDP, AdamW; with --gpu: tests/gpu/workloads/cuda_train.py, its
 extra state in device memory) with that much extra state per rank under
 `cryosleep run`, takes ``--keep`` keep-running snapshots (2) and a stop snapshot, restores, and prints one
-markdown row per snapshot: pause, each phase, image bytes and the workers' resident memory; for the restore,
+markdown row per snapshot: pause (and per GiB of extra state per rank, and of the whole image), each phase,
+CRIU's own breakdown of the dump (capture/criu_stats.py: freezing, drain, write, the rest, the post-dump hook,
+the job held outside CRIU's freeze), image bytes and the workers' resident memory; for a stop snapshot, the
+baseline measured in the same run: its image's bytes written and fsynced to the store's filesystem; for the restore,
 the time from `cryosleep restore` to the job's next step line (its s/GiB: per GiB of the whole image restored).
 The job's step times (when rank 0 logged each
 step) give two more numbers: before the first snapshot, the median and longest gap between steps (with
@@ -68,12 +71,17 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
             wait_lines(log, log.read_text().count("\n") + 3)
             res["step_gap_s"] = steps.longest_gap(t0, time.monotonic())
         shown = cli(env, "show", str(res["snapshot"]))
+        res["criu"] = shown["nodes"][0].get("criu")  # type: ignore[index]
         res["plain"] = {r: why for n in shown["nodes"] for r, why in  # type: ignore[attr-defined]
                         ((n.get("gpu") or {}).get("fast_path") or {}).get("plain", {}).items()}
         rows.append((mem, f"{kind} ({path})", res))
         say(mem, kind, path, res)
         if kind != "stop":
             cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
+        else:  # the stop snapshot's baseline: the image's bytes written to the same filesystem, and fsynced
+            res["disk_write_s"] = disk_write_s(Path(env["CRYOSLEEP_STORE"]), int(res["bytes"]))  # type: ignore[call-overload]
+            print(f"# {mem} MiB {path}: {int(res['bytes']) >> 20} MiB written to the store's disk and fsynced in "  # type: ignore[call-overload]
+                  f"{res['disk_write_s']} s", file=sys.stderr, flush=True)
         time.sleep(1)
     steps.stop()
     if a.no_restore or a.no_stop:
@@ -164,10 +172,45 @@ def wait_prepared(ctl: Path, nproc: int, timeout: float) -> None:
     raise SystemExit(f"the staging files were not prepared within {timeout:g} s ({seen or 'no control blocks'})")
 
 
+def disk_write_s(store: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` (incompressible) to a file in ``store`` and fsync it: what writing the image's
+    bytes to that disk costs at the least, the stop snapshot's baseline."""
+    block = os.urandom(8 << 20)
+    probe = store / "disk-write-probe"
+    t0 = time.monotonic()
+    with open(probe, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(block[:min(left, len(block))])
+        f.flush()
+        os.fsync(f.fileno())
+    took = time.monotonic() - t0
+    probe.unlink()
+    return round(took, 3)
+
+
+def criu_words(res: dict[str, object]) -> str:
+    """CRIU's own breakdown of the dump (the node's manifest record: capture/criu_stats.py), in seconds."""
+    c = dict(res.get("criu") or {})  # type: ignore[call-overload]
+    if not c:
+        return "-"
+    frozen, memdump, memwrite = float(c["frozen_s"]), float(c["memdump_s"]), float(c["memwrite_s"])
+    rate = int(c["pages_written"]) * 4096 / memwrite / 1e9 if memwrite else 0.0
+    scripts = dict(c.get("scripts_s") or {})
+    held = float(c.get("held_s", 0.0))
+    outside = held - float(c["freezing_s"]) - frozen  # the job held, not by CRIU's freeze
+    return (f"freezing {float(c['freezing_s']):.3f}, frozen {frozen:.2f} = drain {memdump - memwrite:.2f} + "
+            f"write {memwrite:.2f} ({rate:.2f} GB/s) + rest {frozen - memdump:.2f} (post-dump hook "
+            f"{float(scripts.get('post-dump', 0.0)):.3f}); job held {held:.2f}, of which outside CRIU's freeze "
+            f"{outside:.2f} (its stop {float(c.get('stopping_s', 0.0)):.3f}; "
+            f"CRIU ran {float(c.get('run_s', 0.0)):.2f})")
+
+
 def say(mem: int, kind: str, path: str, res: dict[str, object]) -> None:
     """One line per snapshot as it happens (the table comes at the end)."""
     print(f"# {mem} MiB {path} {kind}: pause {res.get('pause_s')} first step {res.get('first_step_s')} "
-          f"phases {res.get('phases')}" + (f" plain path: {res['plain']}" if res.get("plain") else ""),
+          f"phases {res.get('phases')} step gap {res.get('step_gap_s')} CRIU: {criu_words(res)}"
+          + (f" plain path: {res['plain']}" if res.get("plain") else ""),
           file=sys.stderr, flush=True)
 
 
@@ -227,18 +270,19 @@ def main() -> None:
             finally:
                 end_job(tmp, name)
     finally:
-        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | s/GiB | job's step gap s | "
-              "phases (s) | image | workers' RSS |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"| extra MiB/rank ({'GPU' if a.gpu else 'host'}) | snapshot | pause s | s/GiB of extra | "
+              "s/GiB of image | job's step gap s | gap s/GiB of image | phases (s) | CRIU's breakdown of the dump (s) "
+              "| image | workers' RSS |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for mem, kind, res in rows:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in dict(res.get("phases") or {}).items())  # type: ignore[call-overload]
             if kind.startswith("steps"):
-                print(f"| {mem} | {kind}: the job before the first snapshot | - | - | "
-                      f"{res.get('longest_gap_s', '-')} | {res.get('steps')} steps, median gap "
-                      f"{res.get('median_gap_s')} s, {res.get('over_2x_median')} over twice the median | - | - |")
+                print(f"| {mem} | {kind}: the job before the first snapshot | - | - | - | "
+                      f"{res.get('longest_gap_s', '-')} | - | {res.get('steps')} steps, median gap "
+                      f"{res.get('median_gap_s')} s, {res.get('over_2x_median')} over twice the median | - | - | - |")
                 continue
             if kind.startswith("failed"):
-                print(f"| {mem} | {kind} | - | - | - | {res['error']} | - | - |".replace("\n", " "))
+                print(f"| {mem} | {kind} | - | - | - | - | {res['error']} | - | - | - | - |".replace("\n", " "))
                 continue
             if kind.startswith("restore"):  # s/GiB: of the whole image (every rank's memory and the rest)
                 per = f"{float(res['first_step_s']) / (int(res['bytes']) / 2**30):.3f}"  # type: ignore[call-overload]
@@ -246,15 +290,21 @@ def main() -> None:
                 if streamed.get("bytes"):
                     phases += f" (pages hashed meanwhile: {int(streamed['bytes']) / 2**20:.0f} MiB in " \
                               f"{float(streamed['seconds']):.2f} s)"
-                print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | {per} | - | {phases} "
-                      f"| {int(res['bytes']) / 2**20:.0f} MiB | - |")  # type: ignore[call-overload]
+                print(f"| {mem} | {kind}, first step after {res['first_step_s']} s | - | - | {per} | - | - | {phases} "
+                      f"| - | {int(res['bytes']) / 2**20:.0f} MiB | - |")  # type: ignore[call-overload]
                 continue
             per = f"{float(res['pause_s']) / (mem / 1024):.3f}" if mem else "-"  # type: ignore[arg-type]
             if res.get("plain"):
                 kind += " (plain: " + "; ".join(f"rank {r}: {w}" for r, w in res["plain"].items()) + ")"  # type: ignore[attr-defined]
             gap = res.get("step_gap_s", "-")
-            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {gap} | {phases} "
-                  f"| {int(res['bytes']) / 2**20:.0f} MiB | {int(res['rss_bytes']) / 2**20:.0f} MiB |")  # type: ignore[call-overload]
+            gib = int(res["bytes"]) / 2**30  # type: ignore[call-overload]
+            gap_per = f"{float(gap) / gib:.3f}" if gap != "-" else "-"  # type: ignore[arg-type]
+            if res.get("disk_write_s") is not None:  # the stop snapshot: against writing its bytes to that disk
+                phases += f" (the image's bytes written and fsynced to the store's disk: {res['disk_write_s']} s)"
+            sizes = f"{int(res['bytes']) / 2**20:.0f} MiB | {int(res['rss_bytes']) / 2**20:.0f} MiB"  # type: ignore[call-overload]
+            image_per = f"{float(res['pause_s']) / gib:.3f}"  # type: ignore[arg-type]
+            print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {image_per} | {gap} | {gap_per} | {phases} | "
+                  f"{criu_words(res)} | {sizes} |")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
 

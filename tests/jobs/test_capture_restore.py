@@ -31,6 +31,10 @@ def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness, tmp_path: Path
     s1 = h.snapshot("adamw")
     assert s1["mode"] == "keep-running" and s1["bytes"] > 0 and s1["pause_s"] > 0
     assert set(s1["phases"]) >= {"preflight", "dump", "checksum", "commit"}
+    # CRIU's own breakdown of the dump, from the stats-dump image it wrote (capture/criu_stats.py)
+    prof = h.cli_json("show", s1["snapshot"])["nodes"][0]["criu"]
+    assert 0 < prof["memwrite_s"] <= prof["memdump_s"] <= prof["frozen_s"] <= prof["held_s"] <= s1["phases"]["dump"]
+    assert prof["pages_written"] * 4096 <= s1["bytes"] and "post-dump" in prof["scripts_s"], prof
     assert h.state("adamw") == "running"
     h.wait_step("adamw", 16)
     s2 = h.snapshot("adamw", "--stop")

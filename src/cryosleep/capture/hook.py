@@ -8,11 +8,17 @@ A non-zero exit makes CRIU fail the dump and resume every task, which is what fa
 ``CRYOSLEEP_FAULT=capture-fail`` fails here, ``capture-hang`` blocks here until the snapshot's timeout
 (``capture-hang-kill`` too, and then the agent kills CRIU itself instead of letting it roll back, to
 exercise the last-resort cleanup).
+
+``--serve FIFO TIMEOUT`` (``capture.criu.start_hook``): started with the dump, before the freeze, it waits for
+the action script's post-dump on ``FIFO.in``, does the same, and answers its exit code on ``FIFO.out``; it ends
+after one post-dump, or after TIMEOUT seconds without one.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import select
 import sys
 import time
 from pathlib import Path
@@ -31,9 +37,44 @@ def fail(msg: str) -> int:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--serve"]:
+        return serve(sys.argv[2], float(sys.argv[3]))
     action = os.environ.get("CRTOOLS_SCRIPT_ACTION", "")
     if action != "post-dump":
         return 0
+    return post_dump()
+
+
+def serve(fifo: str, timeout: float) -> int:
+    """One post-dump for the action script that writes to ``fifo``.in; its exit code answered on ``fifo``.out."""
+    end = time.monotonic() + timeout
+    fd = os.open(f"{fifo}.in", os.O_RDONLY | os.O_NONBLOCK)  # no writer yet: open now, wait in poll
+    try:
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        if not poll.poll(max(0.0, end - time.monotonic()) * 1000):
+            return 0  # CRIU never reached post-dump (it failed, or was stopped): nothing to do
+        os.read(fd, 64)
+    finally:
+        os.close(fd)
+    rc = post_dump()
+    while time.monotonic() < end:  # the script opens the answer's FIFO as soon as its signal is written
+        try:
+            out = os.open(f"{fifo}.out", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:  # ENXIO: not opened for reading yet
+                raise
+            time.sleep(0.001)
+            continue
+        try:
+            os.write(out, f"{rc}\n".encode())
+        finally:
+            os.close(out)
+        break
+    return rc
+
+
+def post_dump() -> int:
     root = int(os.environ["CRYOSLEEP_HOOK_ROOT_PID"])
     dest = Path(os.environ["CRYOSLEEP_HOOK_STAGE_DIR"])
     limit = int(os.environ.get("CRYOSLEEP_HOOK_COPY_LIMIT", files.DEFAULT_COPY_LIMIT))

@@ -20,6 +20,10 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
                (GPU jobs) every CUDA process locked, then its device memory moved to host memory
     dump       CRIU freezes the tree, writes its image, stages the job's files and the NCCL control
                blocks, then resumes it (keep-running) or holds it stopped (stop)
+    dump-record
+               (CPU jobs without NCCL) the dump's records for a survivor of the agent, saved while the job runs:
+               before CRIU stops it, and after a keep-running dump (a GPU or NCCL job, paused then, counts them
+               in ``dump``)
     cuda-restore, cuda-unlock
                (GPU jobs, keep-running) device memory back, CUDA calls released
     reload     (fast path, keep-running) the offloaded device memory back at its addresses
@@ -31,7 +35,7 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
     checksum   size and SHA-256 of every image file, and of the files the job only reads (libraries,
                datasets: checked at restore) unless cached (the job is already running again)
     commit     manifest written, snapshot published atomically in the store
-    verify     (stop) every file re-read and checked against the manifest
+    verify     (stop) every file flushed to its disk (fsync), re-read and checked against the manifest
     persist    (stop, when the job has a remote store) every chunk stored and re-read from it, inside the
                deadline (keep-running snapshots persist in the background, after the snapshot)
     end        (stop) the held job is killed; it lives on only in the snapshot
@@ -63,7 +67,7 @@ from typing import Any
 
 from cryosleep import __version__, paths
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, cuda, eligibility, files, netlock, outbound
+from cryosleep.capture import criu_install, criu_stats, cuda, eligibility, files, netlock, outbound
 from cryosleep.core import proctree, procwatch
 from cryosleep.core.interceptor import ControlBlock, attach_published
 from cryosleep.core.job import JobSpec
@@ -204,6 +208,7 @@ class NodeCapture:
         self.held = False  # CRIU left the tree stopped (a stop snapshot's dump): released by rollback or end
         self.committed = False
         self.dump_rid: str | None = None
+        self.dump_times = (0.0, 0.0, 0.0)  # the dump's CRIU run, the job held, its stopping (criu.DumpResult)
         self.dumped = False
         self.tree: list[int] = []
         self.watch: proctree.Watch | None = None  # the tree's processes at the preflight: which end, and how
@@ -367,22 +372,27 @@ class NodeCapture:
             with self.phases.phase("cuda-checkpoint"):
                 self.gpus.checkpoint()
         assert self.staging is not None
-        with self.phases.phase("dump"):
-            extra = {"CRYOSLEEP_FAULT": self.fault} if self.fault else {}
-            nccl = self.nccl
-            if nccl is not None:  # the control blocks, copied while CRIU holds the tree frozen
-                extra["CRYOSLEEP_HOOK_EXTRA_FILES"] = os.pathsep.join(str(b.path) for b in nccl.blocks.values())
-                stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
-                if stages:  # the fast path's staging files: copied in ``commit``, outside the freeze
-                    extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
+        # The dump's records for a survivor of this agent (saved with an fsync: on the disk CRIU fills, one took up to
+        # 2 s here) are counted in the pause only where the job is paused then: a CPU job's runs until CRIU stops
+        # it and again as soon as CRIU is done with a keep-running dump; a GPU or NCCL job's is paused throughout.
+        paused = bool(self.gpus.pids) or self.nccl is not None
+        node_dir = self.staging.node_dir(self.node_rank)
+        rec = netlock.DumpRecord(str(node_dir))
+        extra = {"CRYOSLEEP_FAULT": self.fault} if self.fault else {}
+        nccl = self.nccl
+        if nccl is not None:  # the control blocks, copied while CRIU holds the tree frozen
+            extra["CRYOSLEEP_HOOK_EXTRA_FILES"] = os.pathsep.join(str(b.path) for b in nccl.blocks.values())
+            stages = [b.devmem.stage_path for b in nccl.blocks.values() if b.devmem.stage_path]
+            if stages:  # the fast path's staging files: copied in ``commit``, outside the freeze
+                extra["CRYOSLEEP_HOOK_SKIP"] = os.pathsep.join(stages)
+        with self.phases.phase("dump" if paused else "dump-record"):
             if failed := self.failed_processes():  # an image now would hold a job that fails at once (chaos
                 raise JobEnding(  # seed 301: a DataLoader worker killed before the dump)
                     f"processes of job {self.target.spec.name!r} ended before the dump",
                     f"since the snapshot began, {failed}",
                     "a failing or ending job cannot be captured; its last snapshot is still valid")
-            node_dir = self.staging.node_dir(self.node_rank)
-            rec = netlock.DumpRecord(str(node_dir))
             self.record(rec)
+        with self.phases.phase("dump"):
             try:
                 res = criu_calls.dump(self.criu, self.target.init_pid, node_dir,
                                       leave="stopped" if self.stop else "running", timeout=self.time_left(),
@@ -392,11 +402,13 @@ class NodeCapture:
                 self.record(None)  # CRIU is gone, and what it left undone
                 raise
             self.dump_rid = res.run_id
+            self.dump_times = (res.criu_s, res.held_s, res.stopping_s)
             self.held = self.stop
-            # a stop dump holds the job under its lock until end() or the rollback removes it
-            self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
             self.dumped = True
             self.dumped_at = time.monotonic()
+        with self.phases.phase("dump" if paused or self.stop else "dump-record"):
+            # a stop dump holds the job under its lock until end() or the rollback removes it
+            self.record(netlock.DumpRecord(rec.dir, 0, res.run_id) if self.stop else None)
         if self.gpus.pids and not self.stop:
             with self.phases.phase("cuda-restore"):
                 self.gpus.restore()
@@ -426,6 +438,7 @@ class NodeCapture:
         if nccl is not None and any(b.devmem.stage_path for b in nccl.blocks.values()):  # mapped: CRIU needs them
             with self.phases.phase("devmem"):
                 self.gpu_facts.fast_path = save_devmem(nccl, self.fast, self.fast_skipped, node_dir, devmem_sums)
+        criu_profile = criu_stats.read(node_dir, *self.dump_times)  # CRIU's own breakdown of the dump's freeze
         with self.phases.phase("checksum"):
             image_files = hash_tree(staging.path, [f"nodes/{self.node_rank}"], known=devmem_sums)
             staged = files.read_index(node_dir / "files")
@@ -434,7 +447,7 @@ class NodeCapture:
         node = NodeImage(node_rank=self.node_rank, ranks=target.spec.ranks, init_pid=target.init_pid,
                          files=image_files, staged=staged, processes=len(self.tree), rss_bytes=self.rss,
                          gpu=self.gpu_facts, mounts=self.mounts, nccl=self.nccl_info, expected=expected,
-                         outbound=self.outbound_facts)
+                         outbound=self.outbound_facts, criu=criu_profile)
         manifest = Manifest(
             id=staging.id, job=target.spec.to_json(), mode="stop" if self.stop else "keep-running",
             created_at=time.time(), nodes=[node], host=host_facts(self.criu, target.runtime),
@@ -450,12 +463,16 @@ class NodeCapture:
         return manifest
 
     def verify(self, timeout: float) -> None:
-        """Every stored file re-read and checked against the manifest, inside the deadline."""
+        """(stop) Every stored file made durable (CRIU and the staging write into the page cache, and the stop
+        snapshot ends the job: its image must outlive a crash of the machine), then every stored file re-read
+        and checked against the manifest, inside the deadline."""
         assert self.manifest is not None
         with self.phases.phase("verify"):
             if time.monotonic() > self.deadline:
                 raise CaptureFailed(f"the stop snapshot ran past its {timeout:g} s timeout", "",
                                     "retry with a longer --timeout")
+            if self.stop:
+                durable(self.store.snapshots / self.manifest.id, [f.path for n in self.manifest.nodes for f in n.files])
             bad = self.store.verify(self.manifest.id)
             if bad:
                 raise CaptureFailed("the stored image failed verification", "; ".join(bad[:5]),
@@ -549,6 +566,20 @@ class NodeCapture:
 
 DEVMEM_DIR = "devmem"
 DEVMEM_PIECE = 1 << 30  # each rank's device memory is imaged in pieces of this size, copied and hashed in parallel
+
+
+def durable(base: Path, rels: list[str]) -> None:
+    """Each file (relative to ``base``) flushed to its disk; CaptureFailed naming the first that cannot be."""
+    for rel in rels:
+        try:
+            fd = os.open(base / rel, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise CaptureFailed(f"the image file {rel} could not be written to its disk", e.strerror or str(e),
+                                "check the store's disk; the job was resumed") from None
 
 
 def devmem_piece_size() -> int:

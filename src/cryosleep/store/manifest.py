@@ -365,6 +365,26 @@ def _together(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:
 
 
 @dataclass
+class CriuDump:
+    """CRIU's own account of a node's dump (``capture/criu_stats.py``: its stats-dump image and its log), in
+    seconds: how the job's freeze inside the ``dump`` phase went. None in snapshots older than this record, or
+    when CRIU left no readable stats."""
+
+    freezing_s: float  # every task of the tree seized
+    frozen_s: float  # from the tree frozen to its release
+    memdump_s: float  # every task's pages drained and written (memwrite_s included), summed over tasks
+    memwrite_s: float  # of those, the pages written into the image files
+    pages_scanned: int
+    pages_written: int
+    scripts_s: dict[str, float] = field(default_factory=dict)  # per action ("pre-dump", "post-dump"): our hook
+    run_s: float = 0.0  # the CRIU process, from its start to its exit
+    # The job's tasks held by the dump (capture.criu.dump stops them before CRIU starts): from their SIGSTOP to
+    # their SIGCONT (a stop dump: to CRIU's exit), and of that, until they had all stopped
+    held_s: float = 0.0
+    stopping_s: float = 0.0
+
+
+@dataclass
 class NodeImage:
     node_rank: int
     ranks: list[int]
@@ -380,6 +400,7 @@ class NodeImage:
     expected: list[ExpectedFile] = field(default_factory=list)  # files the destination must have, unchanged
     # Connections to peers outside the job, drained before the dump and reset at restore
     outbound: NodeOutbound = field(default_factory=NodeOutbound)
+    criu: CriuDump | None = None  # CRIU's breakdown of the dump (profile only: a restore never reads it)
 
     @property
     def bytes(self) -> int:
