@@ -44,10 +44,13 @@ def uninterrupted() -> dict[int, list[str]]:
     return reference(workload("ddp_basic"), ["--steps", str(REF_STEPS)], nproc=2)
 
 
-@pytest.fixture
-def coord(cryo_home: Path, tmp_path: Path) -> Iterator[Coordinator]:
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.extended)])
+def coord(cryo_home: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Coordinator]:
+    """A real coordinator on each engine: its embedded SQLite catalog (the default suite), and the server engine,
+    a database of its own on the session's PostgreSQL server (the extended tier: each case is a real job)."""
     require_criu()
-    c = Coordinator(tmp_path)
+    db = request.getfixturevalue("pg").database() if request.param == "postgresql" else None
+    c = Coordinator(tmp_path, db=db)
     yield c
     c.stop()
 
