@@ -256,9 +256,8 @@ def test_node_fault_during_a_snapshot(coord: Coordinator, cryo_home: Path, fault
         job.kill_everything()
 
 
-def test_a_snapshot_its_coordinator_never_finishes_is_abandoned_after_its_deadline(coord: Coordinator,
-                                                                                   cryo_home: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_a_snapshot_its_coordinator_never_finishes_is_abandoned_after_its_deadline(
+        coord: Coordinator, cryo_home: Path, request: pytest.FixtureRequest) -> None:
     """The coordinator dies with its catalog (a fresh one takes its address): the nodes are still in a snapshot
     nobody will finish. Before the cut that holds nothing once its deadline (and the HOLD grace) passed: the
     next snapshot rolls it back on each node and goes ahead."""
@@ -272,7 +271,10 @@ def test_a_snapshot_its_coordinator_never_finishes_is_abandoned_after_its_deadli
         early = stalled_or_ended(coord, job, "hold", sid, 3)
         assert early is None, ended_early(early, "hold")
         coord.kill()
-        (tmp_path / "catalog.db").unlink()  # and everything it knew
+        if coord.db.startswith("postgresql"):  # and everything it knew: a new one on an empty catalog
+            coord.db = request.getfixturevalue("pg").database()
+        else:
+            Path(coord.db).unlink()
         coord.start()
         wait_for(lambda: coord.job_state(JOB) == "running", 30, "the agents registered with the new coordinator")
         busy = coord.snapshot(JOB)
