@@ -76,7 +76,9 @@ def test_restoring_agent_killed_leaves_nothing_and_the_snapshot_restores(h: Harn
         assert (work / "restore.pid").exists()  # the tree was whole when its agent died
     # the watchdog ends CRIU, what it forked and what it restored: nothing of the job is left running
     wait_for(lambda: not criu_restores(store) and not of_job(name), 60, "the end of the dead agent's restore")
-    assert "nothing of the restore is left running" in h.job(name).agent_log.read_text()
+    # the watchdog says so once it has looked (CRIU, dying with its agent, may be gone before the watchdog runs)
+    wait_for(lambda: "nothing of the restore is left running" in h.job(name).agent_log.read_text(), 60,
+             "the dead agent's watchdog's verdict")
     assert h.state(name) != "running", "the job is recorded running with nothing of it left"
     h.restore(sid)  # the same snapshot, as if the first restore had never been
     assert h.wait_end(name, timeout=600) == 0, h.job(name).read()[1].detail
