@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from cryosleep.coordinator.client import KEEP_RESULTS, PIGGYBACK_S, Registration
+from cryosleep.coordinator.client import KEEP_RESULTS, PIGGYBACK_S, Registration, execute
 from cryosleep.coordinator.protocol import Command, Result
 from cryosleep.errors import CryosleepError, from_json
 from tests.coordinator.sim import SimNode, SimWorld
@@ -87,17 +87,6 @@ class LoopAgents:
 
     # -- commands --
 
-    def _execute(self, a: _Agent, cmd: Command) -> Result:
-        fn: Callable[[Command], Mapping[str, Any]] = getattr(a.node, str(cmd.op))
-        start = time.monotonic()
-        try:
-            return Result.success(cmd, fn(cmd), time.monotonic() - start)
-        except CryosleepError as e:
-            return Result.failure(cmd, e, time.monotonic() - start)
-        except Exception as e:  # a bug in the simulation must still answer
-            return Result.failure(cmd, CryosleepError(f"the simulated agent failed at {cmd.op}",
-                                                      f"{type(e).__name__}: {e}", ""), time.monotonic() - start)
-
     def _keep(self, a: _Agent, res: Result) -> None:
         a.running.discard(res.id)
         a.done[res.id] = res
@@ -126,7 +115,7 @@ class LoopAgents:
                 carry.append(a.done[cmd.id])  # a repeat: the same answer, never a second execution
                 continue
             a.running.add(cmd.id)
-            started.append((cmd, asyncio.ensure_future(self.loop.run_in_executor(self.pool, self._execute, a, cmd))))
+            started.append((cmd, asyncio.ensure_future(self.loop.run_in_executor(self.pool, execute, a.node, cmd))))
         if started:
             await asyncio.wait([f for _, f in started], timeout=PIGGYBACK_S)
         for _cmd, fut in started:

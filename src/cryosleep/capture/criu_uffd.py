@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryosleep import paths
-from cryosleep.core.debs import Say, arch_for, debian_mirror, prefix_argv, quiet, read_marker, sha256
+from cryosleep.core.debs import Say, arch_for, debian_mirror, output, prefix_argv, quiet, read_marker, run, sha256
 from cryosleep.core.toolprefix import load_lock
 from cryosleep.errors import CriuUnavailable
 
@@ -147,11 +147,11 @@ def _fetch(src: Source, say: Say) -> Path:
 
 def _run(cmd: list[str], cwd: Path, what: str) -> None:
     try:
-        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        r = run(cmd, cwd=cwd, timeout=BUILD_TIMEOUT_S)
     except FileNotFoundError as e:
         raise CriuUnavailable(f"could not {what}", f"{cmd[0]} is not installed", BUILD_HINT) from e
     if r.returncode:
-        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
+        tail = "\n".join(output(r).splitlines()[-15:])
         raise CriuUnavailable(f"could not {what}", f"`{' '.join(cmd)}` exited {r.returncode}:\n{tail}", BUILD_HINT)
 
 

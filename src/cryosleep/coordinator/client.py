@@ -328,6 +328,19 @@ class Registration:
                 "incarnation": self.incarnation}
 
 
+def execute(backend: NodeBackend, cmd: Command) -> Result:
+    """Runs one command on the backend: its result, or its failure (a bug in the backend still answers)."""
+    fn: Callable[[Command], Mapping[str, Any]] = getattr(backend, str(cmd.op))
+    start = time.monotonic()
+    try:
+        return Result.success(cmd, fn(cmd), time.monotonic() - start)
+    except CryosleepError as e:
+        return Result.failure(cmd, e, time.monotonic() - start)
+    except Exception as e:
+        return Result.failure(cmd, CryosleepError(f"the node agent failed at {cmd.op}", f"{type(e).__name__}: {e}",
+                                                  "see the node agent's log"), time.monotonic() - start)
+
+
 class AgentRunner:
     """The agent's loop: register, long-poll, run commands, post results. ``start()`` runs it on a thread."""
 
@@ -476,15 +489,7 @@ class AgentRunner:
         return cmd.id
 
     def _execute(self, cmd: Command) -> None:
-        fn: Callable[[Command], Mapping[str, Any]] = getattr(self.backend, str(cmd.op))
-        start = time.monotonic()
-        try:
-            res = Result.success(cmd, fn(cmd), time.monotonic() - start)
-        except CryosleepError as e:
-            res = Result.failure(cmd, e, time.monotonic() - start)
-        except Exception as e:  # a bug in the backend must still answer
-            res = Result.failure(cmd, CryosleepError(f"the node agent failed at {cmd.op}", f"{type(e).__name__}: {e}",
-                                                     "see the node agent's log"), time.monotonic() - start)
+        res = execute(self.backend, cmd)
         with self.lock:
             self.running.discard(cmd.id)
             self.done[cmd.id] = res

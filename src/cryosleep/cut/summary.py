@@ -120,6 +120,19 @@ def _max_held(a: Held | None, b: Held | None) -> Held | None:
     return a if (a[0], -a[1]) >= (b[0], -b[1]) else b
 
 
+def _nonzero_pairs(rank: int, send: Sequence[int], recv: Sequence[int]) -> Iterable[tuple[Pair, int]]:
+    """A slot's nonzero per-peer counts (or targets) as (sender, receiver) pairs: its sends to p as (rank, p), its
+    receives from p as (p, rank). Most slots count no point-to-point calls: their all-zero lists are skipped."""
+    if any(send):
+        for p, n in enumerate(send):
+            if n:
+                yield (rank, p), n
+    if any(recv):
+        for p, n in enumerate(recv):
+            if n:
+                yield (p, rank), n
+
+
 class _Comm:
     """A CommSummary being built (mutable)."""
 
@@ -198,15 +211,9 @@ def summarize(views: Iterable[RankView], lag_lines: int = LAG_LINES) -> NodeSumm
             c.sizes.add(s.nranks)
             c.coll = max(c.coll, s.seq)
             calls += s.seq
-            if any(s.send):  # (most slots count no point-to-point calls: skip their peer lists)
-                calls += sum(s.send)
-                for p, n in enumerate(s.send):
-                    if n:
-                        c.pair((s.rank, p), n)
-            if any(s.recv):
-                for p, n in enumerate(s.recv):
-                    if n:
-                        c.pair((p, s.rank), n)
+            calls += sum(s.send)
+            for k, n in _nonzero_pairs(s.rank, s.send, s.recv):
+                c.pair(k, n)
             c.members.append((s.rank, len(s.send)))
             c.holders.append(v.rank)
             if s.state == SlotState.FINALIZED:
@@ -214,14 +221,8 @@ def summarize(views: Iterable[RankView], lag_lines: int = LAG_LINES) -> NodeSumm
             elif s.state == SlotState.LIVE:
                 c.kinds.add(s.rebuild)
             c.written_coll.add(s.coll_target)
-            if any(s.send_target):
-                for p, n in enumerate(s.send_target):
-                    if n:
-                        c.written((s.rank, p), n)
-            if any(s.recv_target):
-                for p, n in enumerate(s.recv_target):
-                    if n:
-                        c.written((p, s.rank), n)
+            for k, n in _nonzero_pairs(s.rank, s.send_target, s.recv_target):
+                c.written(k, n)
             if held_here and s.waiting and s.state == SlotState.LIVE:
                 p = s.waiting_peer
                 if s.waiting_kind == WaitKind.COLL:
