@@ -108,8 +108,9 @@ def gauge(g: Any) -> float:
 def test_snapshots_through_relays_take_no_direct_poll(tmp_path: Path) -> None:
     with serving(tmp_path) as env:
         relays = [relay.start(("127.0.0.1", 0), env.url, env.token) for _ in range(2)]
+        groups = zip(relays, (range(0, 2), range(2, 4)), strict=True)
         parts = [LoopAgents(f"{r.url},{env.url}", env.token, tmp_path / "store", job="rel", nnodes=4, nproc=2,
-                            seed=2, only=only, wait_s=2.0) for r, only in zip(relays, (range(0, 2), range(2, 4)))]
+                            seed=2, only=only, wait_s=2.0) for r, only in groups]
         try:
             for p in parts:
                 p.start(timeout=30)
