@@ -65,6 +65,13 @@ def test_the_batched_poll_carries_only_polls_whose_agents_credentials_it_carries
         res = {"id": "cmd-1", "snapshot": "snap", "op": "run", "ok": True, "data": {}, "elapsed_s": 0.0}
         batch(srv.url, RELAY, [{"agent": a0, "credential": c0, "incarnation": "inc0", "results": [res]}])
         assert srv.coordinator.hub.result(a0, "cmd-1") is not None
+        # results posted on their own, carried: recorded, answered at once with the results route's answer
+        srv.coordinator.hub.send(a1, "cmd-2", "snap", "rj", Op.RUN, {}, time.monotonic() + 30)
+        res2 = {**res, "id": "cmd-2"}
+        got = batch(srv.url, RELAY, [{"agent": a1, "credential": c1, "incarnation": "inc1", "results": [res2],
+                                      "poll": False}], wait_s=5)
+        assert got == {"answers": {a1: {"status": 200, "body": {"accepted": 1}}}}
+        assert srv.coordinator.hub.result(a1, "cmd-2") is not None
         # another agent's credential, a made-up one, none: that agent's poll refused, the others' carried
         got = batch(srv.url, RELAY, [{"agent": a1, "credential": c0, "incarnation": "inc1"},
                                      {"agent": a0, "credential": "csa1.forged.mac", "incarnation": "inc0"},
@@ -120,7 +127,7 @@ def test_snapshots_through_relays_take_no_direct_poll(tmp_path: Path) -> None:
             for stop in (False, True):
                 s = client.snapshot("rel", stop=stop, timeout_s=30)
                 assert s["state"] == "verified", s
-            assert requests(env.srv, "poll") == 0  # every poll carried
+            assert requests(env.srv, "poll") == requests(env.srv, "results") == 0  # every poll and result carried
             assert requests(env.srv, "relay_poll") > 0
             assert all(r.batches > 0 for r in relays)
             text = m.render().decode()

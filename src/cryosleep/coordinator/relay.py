@@ -10,14 +10,16 @@ of thousands of agents. What a relay keeps is only what is in flight: it is stat
 its agents a redelivery (they go to the coordinator directly, the next URL of their list: ``client.Failover``),
 never a wrong outcome (commands are delivered at least once and answered from the agents' results kept).
 
-Everything else an agent or a client sends (registration, results posted on their own, leave, restore boards,
-status) is forwarded as it is, its own credential with it: the coordinator decides as if it came directly.
+Results an agent posts on their own (a command that took longer than the poll's piggyback) go up together in
+one batch (entries with ``poll: false``, answered at once), each post answered once its batch is. Everything
+else an agent or a client sends (registration, leave, restore boards, status) is forwarded as it is, its own
+credential with it: the coordinator decides as if it came directly.
 The relay's own credential (role ``relay``: security.py) may do nothing but the batched poll, in which the
 coordinator verifies each carried agent's credential.
 
-Batching: an agent's poll arriving starts a batch ``gather_s`` later at most, at once when every agent answered
-by the previous batch is back (a round's answers ride together); the agents a batch's answer did not name are
-still waiting and go in the next one.
+Batching: an agent's poll arriving starts a batch ``gather_s`` later at most, at once when every agent the
+previous batches answered is back (a round's answers ride together); the agents a batch's answer did not name
+are still waiting and go in the next one.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ from cryosleep.errors import CryosleepError, Unreachable, UsageError
 
 __all__ = ["Relay", "start"]
 
-GATHER_S = 0.01
-"""The longest an agent's poll waits at the relay for others to go in the same batch."""
+GATHER_S = 0.05
+"""The longest an agent's poll waits at the relay for others to go in the same batch. A round is over only once
+every agent answered, so waiting for the agents the last batches answered costs the round nothing; this bounds
+the wait for one that is slow or gone."""
+AWAY_S = 1.0  # an agent answered this long ago and not back is not waited for
 MARGIN_S = 1.0  # a batch is answered this long before its earliest agent's own poll would end
 MAX_BATCH = 512  # agents per batched poll
 MAX_BATCH_BYTES = 1 << 20  # the results a batch carries (the coordinator reads at most 4 MiB)
 FORWARD_TIMEOUT_S = 3600.0  # a forwarded request that may wait (a trigger's --wait): the client's own bound rules
-_POLL = re.compile(r"^/v1/agents/(?P<agent>[^/]+)/poll$")
+_AGENT = re.compile(r"^/v1/agents/(?P<agent>[^/]+)/(?P<what>poll|results)$")
 EMPTY = b'{"commands": []}'
 
 
@@ -60,6 +65,16 @@ class Held:
     fut: asyncio.Future[httpserver.Response] | None
     results: list[Any] = field(default_factory=list)  # to carry in the next batch
     in_batch: bool = False
+
+
+@dataclass
+class Posted:
+    """An agent's results posted on their own (not on a poll), carried in the next batch of posts."""
+
+    credential: str
+    incarnation: str
+    results: list[Any] = field(default_factory=list)
+    futs: list[asyncio.Future[httpserver.Response]] = field(default_factory=list)
 
 
 def _answer(fut: asyncio.Future[httpserver.Response] | None, status: int, body: bytes) -> None:
@@ -79,7 +94,8 @@ class Relay:
         self.log = log or (lambda _m: None)
         self.server = httpserver.Server(listen, _App(self), tls)
         self.held: dict[str, Held] = {}
-        self.away: set[str] = set()  # answered by the last batches, not back yet
+        self.posts: dict[str, Posted] = {}  # agent -> its results posted since the last batch of posts
+        self.away: dict[str, float] = {}  # answered by the last batches, not back yet -> when (monotonic)
         self.kick = asyncio.Event()
         self.free: list[Http] = []  # upstream connections not in use (each used by one thread at a time)
         self.lock = threading.Lock()
@@ -130,13 +146,20 @@ class Relay:
             await self.kick.wait()
             self.kick.clear()
             end = loop.time() + self.gather_s
+            old = time.monotonic() - AWAY_S
+            for agent in [a for a, t in self.away.items() if t < old]:
+                del self.away[agent]
             while self.away and loop.time() < end:  # the rest of the round's agents, a moment behind
                 try:
                     await asyncio.wait_for(self.kick.wait(), end - loop.time())
                 except TimeoutError:
                     break
                 self.kick.clear()
-            self.away.clear()
+            if self.posts:
+                posts, self.posts = self.posts, {}
+                task = self.server.loop.create_task(self._carry_posts(posts))
+                self.server.tasks.add(task)
+                task.add_done_callback(self.server.tasks.discard)
             ready = [h for h in self.held.values() if not h.in_batch]
             chunk: list[Held] = []
             size = 0
@@ -151,9 +174,46 @@ class Relay:
                 self._send(chunk)
 
     def _send(self, chunk: list[Held]) -> None:
+        for h in chunk:  # now, not when the task runs: a poll is in one batch at a time
+            h.in_batch = True
         task = self.server.loop.create_task(self._carry(chunk))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
+
+    async def _batch(self, wait: float, entries: list[dict[str, Any]]) -> tuple[dict[str, Any], bytes | None]:
+        """One ``POST /v1/relays/poll``: the coordinator's answers per agent, or what to answer every agent of the
+        batch when it failed (502 ``unreachable``: the agent tries the coordinator directly)."""
+        self.batches += 1
+        data = json.dumps({"wait_s": wait, "relay": self.url, "agents": entries}).encode()
+        try:
+            status, raw = await self.server.run_blocking(self._upstream, "POST", "/v1/relays/poll", data,
+                                                         f"Bearer {self.token}", wait + 30)
+            doc = json.loads(raw) if raw else {}
+            if status != 200:
+                raise CryosleepError(str(doc.get("what", f"HTTP {status}")), str(doc.get("why", "")), "")
+            return dict(doc.get("answers") or {}), None
+        except (CryosleepError, ValueError, RuntimeError) as e:  # RuntimeError: the relay is stopping
+            what = e.what if isinstance(e, CryosleepError) else f"{type(e).__name__}: {e}"
+            why = e.why if isinstance(e, CryosleepError) else ""
+            self.log(f"a batched poll of {len(entries)} agent(s) failed: {what} ({why})")
+            return {}, json.dumps(Unreachable(f"the relay at {self.url} cannot reach the coordinator",
+                                              f"{what} ({why})" if why else what,
+                                              "the agent tries the next URL of its list (the coordinator's)"
+                                              ).to_json()).encode()
+
+    async def _carry_posts(self, posts: dict[str, Posted]) -> None:
+        """The results posted since the last batch, in one batch answered at once (entries with ``poll: false``);
+        each post answered as the coordinator answered its agent's results."""
+        entries = [{"agent": a, "credential": p.credential, "incarnation": p.incarnation, "results": p.results,
+                    "poll": False} for a, p in posts.items()]
+        answers, failed = await self._batch(0.0, entries)
+        for agent, p in posts.items():
+            a = answers.get(agent)
+            for fut in p.futs:
+                if failed is not None or a is None:
+                    _answer(fut, 502, failed or b'{"error": "error", "what": "the coordinator did not answer"}')
+                else:
+                    _answer(fut, int(a.get("status", 500)), json.dumps(a.get("body") or {}).encode())
 
     async def _carry(self, chunk: list[Held]) -> None:
         """One batched poll for ``chunk``'s agents; each answered with what the coordinator said for it."""
@@ -161,29 +221,10 @@ class Relay:
         wait = max(0.0, min(h.deadline for h in chunk) - now - MARGIN_S)
         entries = []
         for h in chunk:
-            h.in_batch = True
             entries.append({"agent": h.agent, "credential": h.credential, "incarnation": h.incarnation,
                             "results": h.results})
             h.results = []  # an agent whose poll fails sends them again with its next one
-        self.batches += 1
-        data = json.dumps({"wait_s": wait, "relay": self.url, "agents": entries}).encode()
-        answers: dict[str, Any] = {}
-        failed: bytes | None = None
-        try:
-            status, raw = await self.server.run_blocking(self._upstream, "POST", "/v1/relays/poll", data,
-                                                         f"Bearer {self.token}", wait + 30)
-            doc = json.loads(raw) if raw else {}
-            if status != 200:
-                raise CryosleepError(str(doc.get("what", f"HTTP {status}")), str(doc.get("why", "")), "")
-            answers = doc.get("answers") or {}
-        except (CryosleepError, ValueError, RuntimeError) as e:  # RuntimeError: the relay is stopping
-            what = e.what if isinstance(e, CryosleepError) else f"{type(e).__name__}: {e}"
-            why = e.why if isinstance(e, CryosleepError) else ""
-            self.log(f"the batched poll of {len(chunk)} agent(s) failed: {what} ({why})")
-            failed = json.dumps(Unreachable(f"the relay at {self.url} cannot reach the coordinator",
-                                            f"{what} ({why})" if why else what,
-                                            "the agent tries the next URL of its list (the coordinator's)"
-                                            ).to_json()).encode()
+        answers, failed = await self._batch(wait, entries)
         now = time.monotonic()
         for h in chunk:
             h.in_batch = False
@@ -198,7 +239,7 @@ class Relay:
                 _answer(h.fut, 200, EMPTY)
             if self.held.get(h.agent) is h:
                 del self.held[h.agent]
-            self.away.add(h.agent)
+            self.away[h.agent] = now
         self.kick.set()
 
     # ---- the agents' side ----------------------------------------------------------------------------------------
@@ -226,7 +267,7 @@ class Relay:
             h.fut, h.deadline, h.credential = fut, deadline, auth.partition(" ")[2].strip()
             h.incarnation = str(body.get("incarnation", ""))
         h.results.extend(results)
-        self.away.discard(agent)
+        self.away.pop(agent, None)
         self.kick.set()
         wake = self.server.wakeup()
         fut.add_done_callback(lambda _f: wake.now())
@@ -244,6 +285,25 @@ class Relay:
             if not h.in_batch and self.held.get(agent) is h:
                 del self.held[agent]
         return httpserver.Response(200, EMPTY)
+
+    async def post(self, req: httpserver.Request, agent: str) -> httpserver.Response:
+        """Results posted on their own: carried with the others posted meanwhile, answered once delivered."""
+        try:
+            body = json.loads(req.body) if req.body else {}
+            results = list(body.get("results") or ())
+            inc = str(body.get("incarnation", ""))
+        except (ValueError, TypeError, AttributeError):
+            return await self.forward(req)  # the coordinator says what is wrong with it
+        p = self.posts.get(agent)
+        if p is not None and p.incarnation != inc:
+            return await self.forward(req)  # two incarnations at once: one at a time
+        if p is None:
+            p = self.posts[agent] = Posted((req.get("Authorization") or "").partition(" ")[2].strip(), inc)
+        fut: asyncio.Future[httpserver.Response] = asyncio.get_running_loop().create_future()
+        p.results.extend(results)
+        p.futs.append(fut)
+        self.kick.set()
+        return await fut
 
     async def forward(self, req: httpserver.Request) -> httpserver.Response:
         try:
@@ -266,9 +326,11 @@ class _App:
         return None  # the coordinator's gate decides, on the forwarded request or each carried poll
 
     def handle(self, req: httpserver.Request) -> httpserver.Response | Awaitable[httpserver.Response]:
-        m = _POLL.match(urlsplit(req.target).path) if req.method == "POST" else None
-        if m is not None:
+        m = _AGENT.match(urlsplit(req.target).path) if req.method == "POST" else None
+        if m is not None and m.group("what") == "poll":
             return self.relay.poll(req, unquote(m.group("agent")))
+        if m is not None:
+            return self.relay.post(req, unquote(m.group("agent")))
         return self.relay.forward(req)
 
     def failed(self, req: httpserver.Request, e: BaseException) -> httpserver.Response:

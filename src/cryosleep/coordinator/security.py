@@ -356,7 +356,7 @@ NESTED: dict[tuple[str, str], dict[str, tuple[type, ...]]] = {
     ("rendezvous", "get"): {"prefix": (str,), "min": (int,), "wait_s": _NUM},
 }
 REQUIRED = {"register": ("job", "nnodes", "node_rank", "incarnation"), "relay_poll": ("agents",)}
-CARRIED = {"agent": (str,), "credential": (str,), "incarnation": (str,), "results": (list,)}
+CARRIED = {"agent": (str,), "credential": (str,), "incarnation": (str,), "results": (list,), "poll": (bool,)}
 """Each poll a relay carries (``relay_poll``'s agents)."""
 TYPE_NAMES = {int: "integer", str: "string", bool: "boolean", list: "list", dict: "JSON object"}
 NOT_NULL = frozenset({"wait_s", "min"})

@@ -22,7 +22,8 @@ Relays (coordinator/relay.py: a relay holds its agents' polls and carries them h
 
     POST /v1/relays/poll                  {wait_s, relay?, agents: [{agent, credential, incarnation, results?}]}
                                           -> {answers: {agent: {status, body}}}  (long poll; the agents not
-                                          answered are still waiting: the relay carries them again)
+                                          answered are still waiting: the relay carries them again; entries
+                                          with poll: false are results posted on their own, answered at once)
 
 Clients::
 
@@ -252,7 +253,9 @@ class Api:
         """A relay's batched long poll: every carried agent's credential verified, each counted polling while
         the batch is held (liveness as its own poll), the batch woken by any of its agents' commands and answered,
         ``GATHER_S`` later, with every carried agent's commands then due (a round's 64 agents: one answer, not
-        64). Only the agents answered are in ``answers``; the others were still waiting."""
+        64). Only the agents answered are in ``answers``; the others were still waiting. Entries with ``poll: false``
+        are results posted on their own: recorded and answered at once (the relay sends them in batches of
+        their own)."""
         c = self.server.coordinator
         answers: dict[str, dict[str, Any]] = {}
         polls: list[tuple[str, str, list[Result]]] = []
@@ -264,6 +267,12 @@ class Api:
                 err = Forbidden("the coordinator refused a carried poll", why,
                                 "the relay must pass each agent's own credential (docs/security.md)")
                 answers[agent] = {"status": 403, "body": err.to_json()}
+                continue
+            if e.get("poll") is False:  # results posted on their own, carried: recorded, answered at once
+                try:
+                    answers[agent] = {"status": 200, "body": c.results(agent, e)}
+                except CryosleepError as err:
+                    answers[agent] = {"status": STATUS.get(err.kind, 500), "body": err.to_json()}
                 continue
             inc, results, w = c.poll_args({"wait_s": body.get("wait_s", wait), **e})
             polls.append((agent, inc, results))
