@@ -215,3 +215,25 @@ def test_http_with_a_dead_relay_reaches_the_coordinator(tmp_path: Path) -> None:
         c = CoordinatorClient(f"{dead},{env.url}", env.token)
         assert c.jobs() == []
         assert c.http.failover.at == 1
+
+
+def test_an_agent_gone_behind_a_relay_is_lost_as_soon_as_without_one(tmp_path: Path) -> None:
+    """Its batch ends when its connection to the relay closes (the others are carried again at once), so the
+    coordinator counts it lost ``lost_after_s`` later, not after the batch's whole wait."""
+    cfg = service.ServiceConfig(poll_wait_s=20.0, lost_after_s=1.0, rollback_s=15.0, redeliver_s=0.5)
+    with serving(tmp_path, cfg) as env:
+        r = relay.start(("127.0.0.1", 0), env.url, env.token)
+        cluster = SimCluster(f"{r.url},{env.url}", env.token, tmp_path / "store", job="gone", nnodes=3, nproc=1,
+                             wait_s=20.0).start()
+        try:
+            hub = env.coordinator.hub
+            wait_for(lambda: all(hub.line(f"gone@{n}").polling for n in range(3)), what="all three carried")
+            cluster.runners[1].halt()
+            t = time.monotonic()
+            wait_for(lambda: not hub.alive("gone@1", 1.0), timeout=10, what="node 1 lost")
+            assert time.monotonic() - t < 5
+            assert hub.alive("gone@0", 1.0) and hub.alive("gone@2", 1.0)
+            wait_for(lambda: all(hub.line(f"gone@{n}").polling for n in (0, 2)), what="the others carried again")
+        finally:
+            cluster.close()
+            r.stop()

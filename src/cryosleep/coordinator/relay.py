@@ -65,6 +65,7 @@ class Held:
     fut: asyncio.Future[httpserver.Response] | None
     results: list[Any] = field(default_factory=list)  # to carry in the next batch
     in_batch: bool = False
+    slot: list[Http] | None = None  # the connection its batch went on (to end the batch when the agent goes)
 
 
 @dataclass
@@ -127,10 +128,14 @@ class Relay:
 
     # ---- upstream ----------------------------------------------------------------------------------------------
 
-    def _upstream(self, method: str, path: str, data: bytes | None, auth: str, timeout: float) -> tuple[int, bytes]:
-        """One request to the coordinator on a pooled connection (in a thread of the server's pool)."""
+    def _upstream(self, method: str, path: str, data: bytes | None, auth: str, timeout: float,
+                  slot: list[Http] | None = None) -> tuple[int, bytes]:
+        """One request to the coordinator on a pooled connection (in a thread of the server's pool; ``slot``
+        is told which)."""
         with self.lock:
             http = self.free.pop() if self.free else Http(self.upstream, self.token)
+            if slot is not None:
+                slot.append(http)
         try:
             out = http.request(method, path, data, auth, timeout)
         except BaseException:
@@ -174,20 +179,22 @@ class Relay:
                 self._send(chunk)
 
     def _send(self, chunk: list[Held]) -> None:
+        slot: list[Http] = []
         for h in chunk:  # now, not when the task runs: a poll is in one batch at a time
-            h.in_batch = True
-        task = self.server.loop.create_task(self._carry(chunk))
+            h.in_batch, h.slot = True, slot
+        task = self.server.loop.create_task(self._carry(chunk, slot))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 
-    async def _batch(self, wait: float, entries: list[dict[str, Any]]) -> tuple[dict[str, Any], bytes | None]:
+    async def _batch(self, wait: float, entries: list[dict[str, Any]],
+                     slot: list[Http] | None = None) -> tuple[dict[str, Any], bytes | None]:
         """One ``POST /v1/relays/poll``: the coordinator's answers per agent, or what to answer every agent of the
         batch when it failed (502 ``unreachable``: the agent tries the coordinator directly)."""
         self.batches += 1
         data = json.dumps({"wait_s": wait, "relay": self.url, "agents": entries}).encode()
         try:
             status, raw = await self.server.run_blocking(self._upstream, "POST", "/v1/relays/poll", data,
-                                                         f"Bearer {self.token}", wait + 30)
+                                                         f"Bearer {self.token}", wait + 30, slot)
             doc = json.loads(raw) if raw else {}
             if status != 200:
                 raise CryosleepError(str(doc.get("what", f"HTTP {status}")), str(doc.get("why", "")), "")
@@ -215,7 +222,7 @@ class Relay:
                 else:
                     _answer(fut, int(a.get("status", 500)), json.dumps(a.get("body") or {}).encode())
 
-    async def _carry(self, chunk: list[Held]) -> None:
+    async def _carry(self, chunk: list[Held], slot: list[Http]) -> None:
         """One batched poll for ``chunk``'s agents; each answered with what the coordinator said for it."""
         now = time.monotonic()
         wait = max(0.0, min(h.deadline for h in chunk) - now - MARGIN_S)
@@ -224,10 +231,10 @@ class Relay:
             entries.append({"agent": h.agent, "credential": h.credential, "incarnation": h.incarnation,
                             "results": h.results})
             h.results = []  # an agent whose poll fails sends them again with its next one
-        answers, failed = await self._batch(wait, entries)
+        answers, failed = await self._batch(wait, entries, slot)
         now = time.monotonic()
         for h in chunk:
-            h.in_batch = False
+            h.in_batch, h.slot = False, None
             a = answers.get(h.agent)
             if failed is None and a is None and h.deadline - now > MARGIN_S and h.fut is not None:
                 continue  # still waiting: in the next batch
@@ -282,6 +289,8 @@ class Relay:
             return fut.result()
         if h.fut is fut:  # the agent went: what a batch brings for it is delivered again later
             h.fut = None
+            for http in h.slot or ():  # its batch ends now (the others go in the next): no longer polling there
+                http.abort()
             if not h.in_batch and self.held.get(agent) is h:
                 del self.held[agent]
         return httpserver.Response(200, EMPTY)
