@@ -41,11 +41,11 @@ from cryosleep.errors import CryosleepError, Unreachable, UsageError
 
 __all__ = ["Relay", "start"]
 
-GATHER_S = 0.05
+GATHER_S = 0.25
 """The longest an agent's poll waits at the relay for others to go in the same batch. A round is over only once
 every agent answered, so waiting for the agents the last batches answered costs the round nothing; this bounds
-the wait for one that is slow or gone."""
-AWAY_S = 1.0  # an agent answered this long ago and not back is not waited for
+the wait for one that is slow or gone (agents that answer together are gathered in far less)."""
+AWAY_S = 10.0  # an agent answered this long ago and not back is not waited for (it is gone, or idle)
 MARGIN_S = 1.0  # a batch is answered this long before its earliest agent's own poll would end
 MAX_BATCH = 512  # agents per batched poll
 MAX_BATCH_BYTES = 1 << 20  # the results a batch carries (the coordinator reads at most 4 MiB)
