@@ -149,7 +149,12 @@ def launch_relay(tmp: Path, upstream: str, listen: str = "127.0.0.1:0") -> tuple
                           "--listen", listen, "--token-file", str(tmp / "relay-token"), "--json"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                          env={**os.environ, "CRYOSLEEP_HOME": str(tmp / "home")})
-    return p, listening(p)
+    try:
+        return p, listening(p)
+    except BaseException:
+        p.kill()
+        p.wait(10)
+        raise
 
 
 def test_a_relay_killed_mid_round_costs_a_redelivery_and_agents_come_back(tmp_path: Path) -> None:
