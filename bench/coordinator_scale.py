@@ -27,6 +27,11 @@ starve the coordinator's event loop, one thread, of its share; and the coordinat
 ``--lost-after`` (120 s): 2,048 simulated agents on two shared cores can go longer than the default 15 s between
 polls.
 
+``--relays R`` starts R relays (``cryosleep coordinator relay``, each its own process, at ``--relays-nice``, on
+the agents' CPUs: they stand in for machines next to the nodes) and spreads the nodes over them in contiguous
+groups, each agent given ``RELAY_URL,COORDINATOR_URL``; the relays' CPU is reported on its own, and the
+coordinator's requests per snapshot by route (``requests``: its /metrics' requests_total).
+
 ``--coordinator-src DIR`` runs the coordinator from another source tree (the baseline: an older commit's
 ``src``, e.g. ``git archive main src | tar -x -C /tmp/old``), the agents from this one. A coordinator of protocol 2
 asks for no summary in the drain's commands: this tree's agents answer it with every rank's views, as its own
@@ -105,6 +110,9 @@ def scrape(url: str, token: str) -> dict[str, float] | None:
                 out[f"cpu:{s.labels['phase']}"] = s.value
             elif s.name in ("cryosleep_coordinator_polls_open", "cryosleep_coordinator_agents_alive"):
                 out[s.name.rsplit("_", 2)[1]] = s.value
+            elif s.name == "cryosleep_coordinator_requests_total":
+                k = f"req:{s.labels['route']}"
+                out[k] = out.get(k, 0.0) + s.value
             elif s.name in ("cryosleep_coordinator_round_seconds_sum", "cryosleep_coordinator_round_seconds_count"):
                 out[f"{s.name.rsplit('_', 1)[1]}:{s.labels['op']}"] = s.value
     return out
@@ -123,13 +131,17 @@ def agents_main(a: argparse.Namespace) -> int:
     """One process of simulated agents (--agents-of LO:HI): registers, serves, ends when stdin closes."""
     lo, hi = (int(x) for x in a.agents_of.split(":"))
     token = Path(a.token_file).read_text().strip()
+    relays = a.relay_urls.split("|") if a.relay_urls else []
+    via = {n: f"{relays[n * len(relays) // a.nodes]},{a.url}" for n in range(lo, hi)} if relays else None
     cluster: SimCluster | LoopAgents
     if a.agent_runner == "threads":
+        if relays:
+            raise SystemExit("--relays takes the event-loop agents (--agent-runner loop)")
         cluster = SimCluster(a.url, token, Path(a.store), job="scale", nnodes=a.nodes, nproc=a.nproc, spread=a.spread,
                              seed=1, only=range(lo, hi)).start(timeout=600)
     else:
         cluster = LoopAgents(a.url, token, Path(a.store), job="scale", nnodes=a.nodes, nproc=a.nproc, spread=a.spread,
-                             seed=1, only=range(lo, hi)).start(timeout=600)
+                             seed=1, only=range(lo, hi), via=via).start(timeout=600)
     print("ready", flush=True)
     sys.stdin.read()
     cluster.close()
@@ -141,6 +153,29 @@ def agents_setup(a: argparse.Namespace) -> None:
     os.setpriority(os.PRIO_PROCESS, 0, max(a.agents_nice, os.getpriority(os.PRIO_PROCESS, 0)))
     if a.agents_cpus:
         os.sched_setaffinity(0, a.agents_cpus)
+
+
+def start_relay(a: argparse.Namespace, url: str, token: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """One ``coordinator relay`` process (this tree's), with the admin token as its credential; its URL."""
+    gather = ["--gather-ms", str(a.gather_ms)] if a.gather_ms is not None else []
+
+    def setup() -> None:
+        os.setpriority(os.PRIO_PROCESS, 0, a.relays_nice)
+        if a.agents_cpus:
+            os.sched_setaffinity(0, a.agents_cpus)
+
+    p = subprocess.Popen([sys.executable, "-m", "cryosleep.cli.main", "coordinator", "relay", "--upstream", url,
+                          "--listen", "127.0.0.1:0", "--token-file", str(token), "--json", *gather],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env={**env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}, preexec_fn=setup)
+    assert p.stdout is not None
+    head = ""
+    while not head.endswith("}\n"):
+        line = p.stdout.readline()
+        if not line:
+            raise SystemExit("a relay exited before it listened")
+        head += line
+    return p, str(json.loads(head)["listening"])
 
 
 def main() -> int:
@@ -161,6 +196,9 @@ def main() -> int:
     ap.add_argument("--coordinator-cpus", type=cpus, help="CPUs the coordinator runs on (e.g. 0), so that it has "
                     "cores of its own")
     ap.add_argument("--agents-cpus", type=cpus, help="CPUs the simulated agents run on (e.g. 1)")
+    ap.add_argument("--relays", type=int, default=0, help="relay processes the agents' polls go through (0: none)")
+    ap.add_argument("--relays-nice", type=int, default=0, help="the relays' processes' nice value")
+    ap.add_argument("--gather-ms", type=float, default=None, help="the relays' --gather-ms")
     ap.add_argument("--coordinator-src", help="run the coordinator from this source tree (a baseline)")
     ap.add_argument("--profile", help="sample the coordinator's threads into this file (bench/profile_sampler.py)")
     ap.add_argument("--separate", action="store_true", help=argparse.SUPPRESS)  # always so now
@@ -169,6 +207,7 @@ def main() -> int:
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--token-file", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap.add_argument("--relay-urls", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.agents_of:
         return agents_main(a)
@@ -196,6 +235,8 @@ def main() -> int:
         head += line
     url = json.loads(head)["listening"]
     client = CoordinatorClient(url, token, timeout=600)
+    relays = [start_relay(a, url, tmp / "token", env) for _ in range(a.relays)]
+    relay_urls = "|".join(u for _, u in relays)
     t0 = time.monotonic()
     procs: list[subprocess.Popen[str]] = []
     per = -(-a.nodes // max(1, a.agent_procs))
@@ -203,7 +244,8 @@ def main() -> int:
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--agents-of", f"{lo}:{min(a.nodes, lo + per)}", "--url", url, "--token-file",
              str(tmp / "token"), "--store", str(tmp / "store"), "--nodes", str(a.nodes), "--nproc", str(a.nproc),
-             "--spread", str(a.spread), "--agent-runner", a.agent_runner], stdin=subprocess.PIPE,
+             "--spread", str(a.spread), "--agent-runner", a.agent_runner, "--relay-urls", relay_urls],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, preexec_fn=lambda: agents_setup(a)))
     results: list[dict[str, Any]] = []
     try:
@@ -226,18 +268,23 @@ def main() -> int:
             stop = i == a.reps
             m0, c0, t = scrape(url, token), proc_cpu(coord.pid), time.monotonic()
             a0 = sum(sum(proc_cpu(p.pid)) for p in procs)
+            r0 = sum(sum(proc_cpu(p.pid)) for p, _ in relays)
             s = client.snapshot("scale", stop=stop, timeout_s=300)
             wall, c1 = time.monotonic() - t, proc_cpu(coord.pid)
             a1 = sum(sum(proc_cpu(p.pid)) for p in procs)
+            r1 = sum(sum(proc_cpu(p.pid)) for p, _ in relays)
             m1 = scrape(url, token)
             if s["state"] != "verified":
                 raise SystemExit(f"snapshot failed: {json.dumps(s.get('error'), indent=2)}")
             check_cut(tmp / "store", s["id"], a.nproc)
             run: dict[str, Any] = {"mode": s["mode"], "phases": s["phases"], "rounds": rounds(client, s["id"]),
                                    "wall_s": round(wall, 4), "cpu_s": round(c1[0] + c1[1] - c0[0] - c0[1], 3),
-                                   "sys_s": round(c1[1] - c0[1], 3), "agents_cpu_s": round(a1 - a0, 3)}
+                                   "sys_s": round(c1[1] - c0[1], 3), "agents_cpu_s": round(a1 - a0, 3),
+                                   "relays_cpu_s": round(r1 - r0, 3)}
             if m0 is not None and m1 is not None:
                 run["phase_cpu"] = {k[4:]: round(v - m0.get(k, 0.0), 4) for k, v in m1.items() if k.startswith("cpu:")}
+                run["requests"] = {k[4:]: int(v - m0.get(k, 0.0)) for k, v in m1.items()
+                                   if k.startswith("req:") and v - m0.get(k, 0.0) >= 1 and k != "req:metrics"}
                 run["requests_rounds"] = int(sum(v - m0.get(k, 0.0) for k, v in m1.items() if k.startswith("count:")))
                 dn = m1.get("count:run", 0.0) - m0.get("count:run", 0.0)
                 if dn:
@@ -252,6 +299,9 @@ def main() -> int:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for p, _ in relays:
+            p.terminate()
+            p.wait(30)
         coord.terminate()
         coord.wait(30)
 
@@ -268,6 +318,8 @@ def main() -> int:
         "median_rounds": statistics.median(r["rounds"] for r in keep),
         "median_wall_s": med([r["wall_s"] for r in keep]), "median_cpu_s": med([r["cpu_s"] for r in keep]),
         "median_agents_cpu_s": med([r["agents_cpu_s"] for r in keep]),
+        "relays": a.relays, "median_relays_cpu_s": med([r["relays_cpu_s"] for r in keep]),
+        "median_requests": med([sum(r.get("requests", {}).values()) for r in keep]),
         "median_fanout_s": med([r["fanout_s"] for r in keep if "fanout_s" in r]),
         "median_requests_rounds": med([r["requests_rounds"] for r in keep if "requests_rounds" in r]),
         "agents_nice": a.agents_nice, "agent_runner": a.agent_runner,
@@ -283,7 +335,9 @@ def main() -> int:
         ph = r["phases"]
         print(f"{i:>3}  {r['mode']:<12}  {r['rounds']:>6}  " + "  ".join(f"{ph.get(p, 0.0):8.3f}" for p in PHASES)
               + f"  {ph.get('stop', 0.0):7.3f}  {r['wall_s']:8.3f}  {r['cpu_s']:10.3f} (system {r['sys_s']:.3f}; "
-              f"agents {r['agents_cpu_s']:.3f})")
+              f"agents {r['agents_cpu_s']:.3f}; relays {r['relays_cpu_s']:.3f})")
+        if r.get("requests"):
+            print("     coordinator requests  " + ", ".join(f"{k} {v}" for k, v in sorted(r["requests"].items())))
         if "phase_cpu" in r:
             pc = r["phase_cpu"]
             print("     coordinator CPU       " + "  ".join(f"{pc.get(p, 0.0):8.3f}" for p in PHASES))
@@ -292,7 +346,9 @@ def main() -> int:
           f"(quiesce+capture) {md['quiesce'] + md['capture']:.3f} s, total {summary['median_wall_s']:.3f} s; "
           f"coordinator CPU: cut {mc['drain']:.3f} s, capture round {mc['quiesce'] + mc['capture']:.3f} s, whole "
           f"snapshot {summary['median_cpu_s']:.3f} s (the simulated agents' processes: "
-          f"{summary['median_agents_cpu_s']:.3f} s); fan-out to {a.nodes} agents {summary['median_fanout_s']:.3f} s")
+          f"{summary['median_agents_cpu_s']:.3f} s, {a.relays} relays' {summary['median_relays_cpu_s']:.3f} s); "
+          f"fan-out to {a.nodes} agents {summary['median_fanout_s']:.3f} s; "
+          f"{summary['median_requests']:.0f} coordinator requests")
     return 0
 
 

@@ -25,14 +25,15 @@ from urllib.parse import quote
 
 import aiohttp
 
-from cryosleep.coordinator.client import KEEP_RESULTS, PIGGYBACK_S, Registration, execute
+from cryosleep.coordinator.client import KEEP_RESULTS, PIGGYBACK_S, Failover, Registration, execute, split_urls
 from cryosleep.coordinator.protocol import Command, Result
-from cryosleep.errors import CryosleepError, from_json
-from tests.coordinator.sim import SimNode, SimWorld
+from cryosleep.errors import CryosleepError, Unreachable, from_json
+from tests.coordinator.sim import SimFaults, SimNode, SimWorld
 
 
 class _Agent:
-    def __init__(self, node: SimNode, reg: Registration) -> None:
+    def __init__(self, node: SimNode, reg: Registration, urls: list[str]) -> None:
+        self.failover = Failover(urls)  # a relay's URL first, the coordinator's next (client.Http's rule)
         self.node = node
         self.reg = reg
         self.agent_id: str | None = None
@@ -42,22 +43,28 @@ class _Agent:
 
 
 class LoopAgents:
-    """``only``'s nodes of one simulated job (``SimWorld``), each an agent of the coordinator at ``url``."""
+    """``only``'s nodes of one simulated job (``SimWorld``), each an agent of the coordinator at ``url`` (several,
+    comma-separated: a relay first, the coordinator next, as ``client.Http`` takes them; ``via``: node -> its own
+    list, the benchmark's nodes spread over relays)."""
 
     def __init__(self, url: str, token: str, store: Path, *, job: str, nnodes: int, nproc: int, seed: int = 0,
                  spread: int = 5, only: range | None = None, wait_s: float = 20.0, workers: int = 8,
-                 log: Callable[[str], None] | None = None) -> None:
-        self.url = url.rstrip("/")
+                 log: Callable[[str], None] | None = None, faults: Mapping[int, SimFaults] | None = None,
+                 back_after_s: float | None = None, via: Mapping[int, str] | None = None) -> None:
+        self.urls = [u.rstrip("/") for u in split_urls(url)]
         self.token = token
         self.wait_s = wait_s
         self.log = log or (lambda _m: None)
         self.world = SimWorld(nnodes, nproc, seed=seed, spread=spread)
         self.agents = []
         for n in only or range(nnodes):
-            node = SimNode(self.world, n, store)
+            node = SimNode(self.world, n, store, (faults or {}).get(n))
             self.agents.append(_Agent(node, Registration(
                 job=job, nnodes=nnodes, node_rank=n, ranks=[rk.rank for rk in node.ranks], hostname=f"sim-{n}",
-                address=f"sim://{n}", spec={"nproc_per_node": nproc, "simulated": True})))
+                address=f"sim://{n}", spec={"nproc_per_node": nproc, "simulated": True}),
+                [u.rstrip("/") for u in split_urls(via[n])] if via and n in via else self.urls))
+            if back_after_s is not None:
+                self.agents[-1].failover.back_after_s = back_after_s
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="simloop-op")
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="simloop", daemon=True)
@@ -71,16 +78,31 @@ class LoopAgents:
     async def _call(self, agent: _Agent | None, path: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
         assert self.session is not None
         cred = agent.credential if agent is not None and agent.credential else self.token
-        async with self.session.post(self.url + path, json=body, headers={"Authorization": f"Bearer {cred}"},
-                                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            doc: dict[str, Any] = await resp.json(content_type=None) or {}
-            if resp.status >= 400:
-                raise from_json(doc) if "error" in doc else CryosleepError(f"HTTP {resp.status}", str(doc)[:200], "")
+        fo = agent.failover if agent is not None else Failover(self.urls)
+        order = fo.order()
+        for k, i in enumerate(order):
+            try:
+                try:
+                    async with self.session.post(fo.urls[i] + path, json=body,
+                                                 headers={"Authorization": f"Bearer {cred}"},
+                                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                        doc: dict[str, Any] = await resp.json(content_type=None) or {}
+                except (aiohttp.ClientConnectionError, ConnectionError) as e:
+                    raise Unreachable(f"{fo.urls[i]} did not answer", f"{type(e).__name__}: {e}", "") from e
+                if resp.status >= 400:
+                    raise from_json(doc) if "error" in doc else \
+                        CryosleepError(f"HTTP {resp.status}", str(doc)[:200], "")
+            except Unreachable:
+                if k == len(order) - 1:
+                    raise
+                continue
+            fo.worked(i)
             return doc
+        raise AssertionError("unreachable")
 
     async def _register(self, a: _Agent) -> None:
         a.credential = ""
-        res = await self._call(None, "/v1/agents/register", a.reg.to_json(), 60)
+        res = await self._call(a, "/v1/agents/register", a.reg.to_json(), 60)  # its bootstrap token: no credential yet
         a.credential = str(res.get("credential") or "")
         a.agent_id = str(res["agent_id"])
         self.wait_s = min(self.wait_s, float(res.get("poll_wait_s", self.wait_s)))

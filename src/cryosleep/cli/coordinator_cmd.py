@@ -14,6 +14,7 @@ from typing import Any
 
 from cryosleep.cli.output import emit_json, table, when
 from cryosleep.coordinator import catalog, client, security, service
+from cryosleep.coordinator import relay as relay_mod
 from cryosleep.errors import UsageError
 
 
@@ -60,6 +61,21 @@ def add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     s.add_argument("--rollback-timeout", type=float, default=120.0, help="the rollback's own time bound (s)")
     s.add_argument("--json", action="store_true", help="print the listening address as one JSON line")
     s.set_defaults(func=cmd_serve)
+
+    r = csub.add_parser("relay", help="carry a group of node agents' polls to the coordinator in one batched poll "
+                        "(agents: --coordinator RELAY_URL,COORDINATOR_URL); docs/coordinator.md, \"Relays\"")
+    r.add_argument("--upstream", required=True, metavar="URL", help="the coordinator's URL")
+    r.add_argument("--listen", default="127.0.0.1:7481", metavar="HOST:PORT",
+                   help="address the agents reach this relay at (port 0: any free port, printed at start)")
+    r.add_argument("--token-file", type=Path, required=True,
+                   help="file holding this relay's credential (a \"relays\" entry of the coordinator's "
+                   "--credentials, or its --token-file)")
+    r.add_argument("--tls-cert", type=Path, default=None, help="serve HTTPS with this PEM certificate (chain)")
+    r.add_argument("--tls-key", type=Path, default=None, help="the certificate's PEM key")
+    r.add_argument("--gather-ms", type=float, default=relay_mod.GATHER_S * 1000,
+                   help="the longest an agent's poll waits for others to go in the same batched poll (ms)")
+    r.add_argument("--json", action="store_true", help="print the listening address as one JSON line")
+    r.set_defaults(func=cmd_relay)
 
     _client_cmd(csub, "jobs", "the jobs the coordinator knows, with their nodes", cmd_jobs)
     _client_cmd(csub, "job", "one job's nodes and agents", cmd_job, "job")
@@ -161,6 +177,30 @@ def cmd_serve(a: argparse.Namespace) -> int:
         sys.stderr.write(f"cryosleep coordinator: stopping with snapshot(s) {', '.join(left)} still rolling back\n")
     service.shutdown(srv)
     srv.coordinator.catalog.close()
+    return 0
+
+
+def cmd_relay(a: argparse.Namespace) -> int:
+    token = service.read_token(a.token_file)
+    if (a.tls_cert is None) != (a.tls_key is None):
+        raise UsageError("incomplete TLS options", "--tls-cert and --tls-key go together",
+                         "pass both, or neither for plain HTTP")
+    tls = security.server_context(a.tls_cert, a.tls_key) if a.tls_cert else None
+
+    def log(msg: str) -> None:
+        sys.stderr.write(f"cryosleep relay: {msg}\n")
+        sys.stderr.flush()
+
+    r = relay_mod.start(service.parse_listen(a.listen), a.upstream, token, tls=tls, gather_s=a.gather_ms / 1000,
+                        log=log)
+    if a.json:
+        emit_json({"listening": r.url, "upstream": a.upstream})
+    log(f"listening on {r.url}, carrying polls to {a.upstream}")
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _s, _f: done.set())
+    done.wait()
+    r.stop()
     return 0
 
 

@@ -139,7 +139,9 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def add_coordinator_args(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--coordinator", default=None, metavar="URL", help=what)
+    p.add_argument("--coordinator", default=None, metavar="URL[,URL]",
+                   help=what + "; several, comma-separated, are tried in order (a relay's first, then the "
+                   "coordinator's: docs/coordinator.md, \"Relays\")")
     p.add_argument("--token-file", type=Path, default=None, metavar="F",
                    help=f"the coordinator's token (default ${coord_client.ENV_TOKEN_FILE}, else "
                    f"${coord_client.ENV_TOKEN})")

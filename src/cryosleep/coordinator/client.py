@@ -50,6 +50,8 @@ def host_name() -> str:
     return os.environ.get(ENV_HOST) or socket.gethostname()
 Token = str | Callable[[], str]
 """A credential, or where to read the current one (an agent's, issued when it registers)."""
+CONNECT_S = 5.0  # a host that does not answer a connection attempt: the next URL after this long
+BACK_AFTER_S = 10.0  # on a later URL (the relay was away) this long: the first one is tried again
 PIGGYBACK_S = 0.05  # a result ready this soon after its command arrived rides on the next poll
 KEEP_RESULTS = 4096  # results kept for repeated deliveries (a snapshot of 128 nodes uses a few dozen ids)
 
@@ -74,6 +76,39 @@ def resolve(url: str | None, token_file: str | Path | None) -> tuple[str, str]:
     return u, tok
 
 
+def split_urls(url: str) -> list[str]:
+    """``URL[,URL...]``: where a node's agent reaches the coordinator, in order (its relay first, then the
+    coordinator itself: coordinator/relay.py)."""
+    return [u.strip() for u in url.split(",") if u.strip()] or [url]
+
+
+@dataclass
+class Failover:
+    """Which of several URLs to use: the one that answered last, and after ``back_after_s`` on a later one
+    the first again (a relay back after a restart carries its agents again). One rule for the real agent's
+    ``Http`` and the benchmark's event-loop agents."""
+
+    urls: list[str]
+    back_after_s: float = BACK_AFTER_S
+    clock: Callable[[], float] = time.monotonic
+    at: int = 0
+    since: float = 0.0
+
+    def order(self) -> list[int]:
+        """The URLs' indexes in the order to try them now."""
+        if self.at and self.clock() - self.since >= self.back_after_s:
+            self.at = 0
+        n = len(self.urls)
+        return [(self.at + k) % n for k in range(n)]
+
+    def worked(self, i: int) -> bool:
+        """URL ``i`` answered; True when that is a change."""
+        if i == self.at:
+            return False
+        self.at, self.since = i, self.clock()
+        return True
+
+
 def _nodelay(conn: http.client.HTTPConnection) -> None:
     """Requests are small and answered at once: send each without waiting for the previous one's ACK."""
     sock = conn.sock
@@ -82,25 +117,38 @@ def _nodelay(conn: http.client.HTTPConnection) -> None:
 
 
 class Http:
-    """One keep-alive HTTP connection to the coordinator (not shared between threads), JSON in and out."""
+    """One keep-alive HTTP connection to the coordinator (not shared between threads), JSON in and out.
+    ``url`` may list several (``split_urls``: a relay, then the coordinator): a request the one in use does not
+    answer (it is unreachable, or a relay says the coordinator is unreachable from it) goes to the next."""
 
-    def __init__(self, url: str, token: Token, timeout: float = 30.0) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UsageError(f"invalid coordinator URL {url!r}", "expected http://HOST:PORT or https://HOST:PORT",
-                             "e.g. --coordinator https://10.0.0.5:7480")
-        self.url = url.rstrip("/")
-        self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+    def __init__(self, url: str, token: Token, timeout: float = 30.0,
+                 log: Callable[[str], None] | None = None) -> None:
+        urls = split_urls(url)
+        for u in urls:
+            parts = urlsplit(u)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise UsageError(f"invalid coordinator URL {u!r}", "expected http://HOST:PORT or https://HOST:PORT"
+                                 " (several: a relay's, then the coordinator's, separated by commas)",
+                                 "e.g. --coordinator https://10.0.0.5:7480")
+        self.failover = Failover([u.rstrip("/") for u in urls])
         self.ca = os.environ.get(ENV_CA) or None
         self.tls = security.client_context(self.ca, os.environ.get(ENV_CERT), os.environ.get(ENV_KEY)) \
-            if parts.scheme == "https" else None
+            if any(u.startswith("https:") for u in urls) else None
         self.token = token
         self.timeout = timeout
+        self.log = log or (lambda _m: None)
         self.conn: http.client.HTTPConnection | None = None
+        self._use(self.failover.at)
+
+    def _use(self, i: int) -> None:
+        parts = urlsplit(self.failover.urls[i])
+        self.url = self.failover.urls[i]
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.secure = parts.scheme == "https"
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
-        if self.tls is not None:
+        if self.secure:
             return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self.tls)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
@@ -124,7 +172,29 @@ class Http:
              timeout: float | None = None) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
         token = self.token() if callable(self.token) else self.token
-        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        order = self.failover.order()
+        for k, i in enumerate(order):
+            if i != self.failover.at or self.url != self.failover.urls[i]:
+                self.close()
+                self._use(i)
+            try:
+                status, raw = self.request(method, path, data, f"Bearer {token}", timeout)
+                doc = self._doc(status, raw)
+            except Unreachable as e:
+                if k == len(order) - 1:
+                    raise
+                self.log(f"{e.what} ({e.why}); trying {self.failover.urls[order[k + 1]]}")
+                continue
+            if self.failover.worked(i) and i:
+                self.log(f"reaching the coordinator through {self.url} for now")
+            return doc
+        raise AssertionError("unreachable")
+
+    def request(self, method: str, path: str, data: bytes | None, auth: str,
+                timeout: float | None = None) -> tuple[int, bytes]:
+        """One request as it is (its status and body; a relay forwards with it): Unreachable when the URL in use
+        does not answer."""
+        headers = {"Authorization": auth, "Content-Type": "application/json"}
         for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: one fresh try
             if self.conn is None:
                 self.conn = self._connection(timeout or self.timeout)
@@ -134,7 +204,10 @@ class Http:
                     self.conn.sock.settimeout(timeout or self.timeout)
             try:
                 if self.conn.sock is None:
+                    self.conn.timeout = min(CONNECT_S, timeout or self.timeout)
                     self.conn.connect()
+                    assert self.conn.sock is not None
+                    self.conn.sock.settimeout(timeout or self.timeout)
                     _nodelay(self.conn)
                 self.conn.request(method, path, body=data, headers=headers)
                 resp = self.conn.getresponse()
@@ -149,6 +222,9 @@ class Http:
                 if attempt == 1 or isinstance(e, TimeoutError | ConnectionRefusedError):
                     raise Unreachable(f"the coordinator at {self.url} did not answer", f"{type(e).__name__}: {e}",
                                       "check that it runs (`cryosleep coordinator serve`) and the URL") from e
+        return status, raw
+
+    def _doc(self, status: int, raw: bytes) -> dict[str, Any]:
         try:
             doc: dict[str, Any] = json.loads(raw) if raw else {}
         except ValueError as e:
@@ -274,7 +350,7 @@ class CoordinatorClient:
 def underlay_towards(url: str) -> str:
     """The local address the route to the coordinator at ``url`` leaves from (no packet is sent): the address
     the other hosts of a job reach this one at, for the job network's overlay."""
-    parts = urlsplit(url)
+    parts = urlsplit(split_urls(url)[-1])  # the coordinator's own, after any relay's
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((parts.hostname or "127.0.0.1", parts.port or 80))
@@ -352,8 +428,8 @@ class AgentRunner:
         self.reg = reg
         self.wait_s = wait_s
         self.log = log or (lambda _m: None)
-        self.poll_http = Http(url, self.credential)
-        self.post_http = Http(url, self.credential)
+        self.poll_http = Http(url, self.credential, log=self.log)
+        self.post_http = Http(url, self.credential, log=self.log)
         self.post_lock = threading.Lock()
         self.agent_id: str | None = None
         self.issued: str | None = None  # the agent credential the registration answered with

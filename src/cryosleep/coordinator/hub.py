@@ -203,6 +203,31 @@ class Hub:
             except ValueError:
                 pass
 
+    # ---- a relay's batched poll (service.py, coordinator/relay.py) -------------------------------------------
+
+    def batch_open(self, polls: Sequence[tuple[str, str, Sequence[Result]]],
+                   waker: Callable[[], None]) -> dict[str, AgentLine | None]:
+        """``poll_open`` for each (agent, incarnation, results) a relay carries, under one lock acquisition and
+        with one waker: the batch is woken when any of its agents may have something due."""
+        with self.lock:
+            return {agent: self.poll_open(agent, inc, results, waker) for agent, inc, results in polls}
+
+    def batch_due(self, lines: Mapping[str, AgentLine]) -> dict[str, list[Command] | None]:
+        """``poll_due`` for every line of a batch (one lock acquisition): only the agents whose poll should be
+        answered now (their commands, [] or None as ``poll_due`` says); the others go on waiting."""
+        with self.lock:
+            out: dict[str, list[Command] | None] = {}
+            for agent, a in lines.items():
+                got = self.poll_due(a)
+                if got is not False:
+                    out[agent] = got if isinstance(got, list) else None
+            return out
+
+    def batch_close(self, lines: Iterable[AgentLine], waker: Callable[[], None]) -> None:
+        with self.lock:
+            for a in lines:
+                self.poll_close(a, waker)
+
     def _put(self, a: AgentLine, res: Result) -> None:
         a.last_seen = time.monotonic()
         if a.outbox.pop(res.id, None) is None:

@@ -13,6 +13,8 @@ Each ``Coordinator`` has its own registry (a process may run several: the tests 
     cryosleep_coordinator_commands_queued                gauge     commands queued for agents and not yet answered
     cryosleep_coordinator_requests_total{route,code}     counter   HTTP requests by route and status
     cryosleep_coordinator_errors_total{kind}             counter   requests answered with an error, by kind
+    cryosleep_coordinator_relays_connected               gauge     relays with a batched poll open now
+    cryosleep_coordinator_relay_agents{relay}            gauge     agents a relay's open batched polls carry
 
 The CPU counter is the whole process's (every HTTP thread included) while the phase ran: with one snapshot at a
 time it is what that phase cost the coordinator, and the benchmark reads it to report the coordinator's own CPU.
@@ -56,6 +58,18 @@ class CoordinatorMetrics:
                                 registry=r)
         self.errors = Counter(p + "errors", "HTTP requests answered with an error, by kind", ["kind"], registry=r)
         self._request_children: dict[tuple[str, int], Any] = {}
+        self.relay_agents = Gauge(p + "relay_agents", "Agents carried by a relay's open batched polls", ["relay"],
+                                  registry=r)
+        self.relays_connected = Gauge(p + "relays_connected", "Relays with a batched poll open", registry=r)
+        self._relays: dict[str, list[int]] = {}  # relay -> [batches open, agents they carry]
+        self.relays_connected.set_function(lambda: float(sum(1 for b, _ in self._relays.values() if b > 0)))
+
+    def relay_batch(self, relay: str, agents: int, delta: int) -> None:
+        """A relay's batched poll opened (``delta`` +1) or closed (-1), carrying ``agents`` (on the event loop)."""
+        st = self._relays.setdefault(relay, [0, 0])
+        st[0] += delta
+        st[1] += delta * agents
+        self.relay_agents.labels(relay).set(st[1])
 
     def request(self, route: str, code: int) -> None:
         """One HTTP request answered (the labelled child looked up once per route and code: every poll counts)."""

@@ -18,6 +18,9 @@ Credentials (``docs/security.md``, "The coordinator"):
   a registration carries an **agent** credential that acts only for that job and node (its polls and results, its
   own job's status and snapshots, the boards).
 * **host**: a host daemon (``cryosleep host serve``): its own orders, registering the agents it restores.
+* **relay**: a relay (``cryosleep coordinator relay``, coordinator/relay.py): nothing but the batched poll
+  (``POST /v1/relays/poll``), in which every carried agent's own credential is verified (``Credentials.carried``):
+  a relay acts for no agent whose credential it was not given.
 
 Agent credentials are not stored: each is the job, node and board namespace under an HMAC with the coordinator's
 secret, so they stay valid across a coordinator restart and a stolen one names the one node it speaks for.
@@ -51,7 +54,7 @@ __all__ = ["Admission", "Audit", "Credentials", "Gate", "Limiter", "Principal", 
 MAX_BODY = 4 << 20
 """The largest request body read (a registration's facts, a poll's results: kilobytes)."""
 AGENT_PREFIX = "csa1."
-ROLES = ("admin", "tenant", "bootstrap", "agent", "host")
+ROLES = ("admin", "tenant", "bootstrap", "agent", "host", "relay")
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ class Credentials:
     @classmethod
     def parse(cls, doc: Any, where: str = "the credentials") -> Credentials:
         """``{"admin": [TOKEN...], "tenants": {NAME: {"tokens": [...], "jobs": [GLOB...]}},
-        "bootstrap": [{"token", "tenant"?}...], "hosts": {NAME: TOKEN}, "secret"?}``; a token may be given as
+        "bootstrap": [{"token", "tenant"?}...], "hosts": {NAME: TOKEN}, "relays": {NAME: TOKEN}, "secret"?}``; a
+        token may be given as
         ``sha256:HEX`` instead of itself."""
 
         def bad(why: str) -> UsageError:
@@ -113,7 +117,7 @@ class Credentials:
 
         if not isinstance(doc, dict):
             raise bad("expected a JSON object")
-        unknown = set(doc) - {"admin", "tenants", "bootstrap", "hosts", "secret"}
+        unknown = set(doc) - {"admin", "tenants", "bootstrap", "hosts", "relays", "secret"}
         if unknown:
             raise bad(f"unknown key(s) {sorted(unknown)}")
         by: dict[str, Principal] = {}
@@ -167,6 +171,11 @@ class Credentials:
             raise bad("hosts must be an object {NAME: TOKEN}")
         for name, tok in hosts.items():
             add(tok, Principal("host", f"host:{name}", host=str(name)))
+        relays = doc.get("relays", {})
+        if not isinstance(relays, dict):
+            raise bad("relays must be an object {NAME: TOKEN}")
+        for name, tok in relays.items():
+            add(tok, Principal("relay", f"relay:{name}"))
         if not by:
             raise bad("no credential is given")
         secret = doc.get("secret")
@@ -228,6 +237,14 @@ class Credentials:
                              node=node)
         return self.by_digest.get(_digest(token))
 
+    def carried(self, credential: Any, agent: Any) -> str | None:
+        """None when ``credential`` is agent ``agent``'s own (what a relay must carry with each of its agents'
+        polls), else why not."""
+        p = self.authenticate(f"Bearer {credential}") if isinstance(credential, str) else None
+        if p is None or p.role != "agent":
+            return "its credential is not an agent credential this coordinator issued"
+        return None if p.agent_id == agent else f"it carries the credential of agent {p.agent_id}, not {agent}"
+
 
 # ---- authorization ---------------------------------------------------------------------------------------------
 
@@ -278,7 +295,8 @@ def authorize(p: Principal, route: str, params: Mapping[str, str], body_job: str
     if p.role == "admin" or route == "health":
         return None
     allowed = {"agent": AGENT_ROUTES, "tenant": TENANT_ROUTES, "host": HOST_ROUTES,
-               "bootstrap": frozenset({"register", "rendezvous"})}.get(p.role, frozenset())
+               "bootstrap": frozenset({"register", "rendezvous"}), "relay": frozenset({"relay_poll"})
+               }.get(p.role, frozenset())
     if route not in allowed:
         return f"a {p.role} credential may not use this endpoint"
     if route == "rendezvous":
@@ -325,6 +343,7 @@ BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
                  "hostname": (str,), "address": (str,), "facts": (dict,), "spec": (dict,)},
     "poll": {"incarnation": (str,), "wait_s": _NUM, "results": (list,)},
     "results": {"incarnation": (str,), "results": (list,)},
+    "relay_poll": {"wait_s": _NUM, "agents": (list,), "relay": (str,)},
     "trigger": {"mode": (str,), "timeout_s": _NUM, "request_id": (str,), "wait": (bool,)},
     "rendezvous": {"put": (dict,), "get": (dict,)},
     "place": {"hosts": (list,), "timeout_s": _NUM},
@@ -336,7 +355,9 @@ BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 NESTED: dict[tuple[str, str], dict[str, tuple[type, ...]]] = {
     ("rendezvous", "get"): {"prefix": (str,), "min": (int,), "wait_s": _NUM},
 }
-REQUIRED = {"register": ("job", "nnodes", "node_rank", "incarnation")}
+REQUIRED = {"register": ("job", "nnodes", "node_rank", "incarnation"), "relay_poll": ("agents",)}
+CARRIED = {"agent": (str,), "credential": (str,), "incarnation": (str,), "results": (list,), "poll": (bool,)}
+"""Each poll a relay carries (``relay_poll``'s agents)."""
 TYPE_NAMES = {int: "integer", str: "string", bool: "boolean", list: "list", dict: "JSON object"}
 NOT_NULL = frozenset({"wait_s", "min"})
 """Fields that may be left out but not given as null (the service reads them as numbers)."""
@@ -385,6 +406,15 @@ def check_body(route: str, body: Any, query: Mapping[str, list[str]] | None = No
         raise UsageError("the request's ranks are malformed", "expected a list of integers", "")
     if route in ("poll", "results") and not all(isinstance(r, dict) for r in body.get("results") or ()):
         raise UsageError("the request's results are malformed", "expected a list of objects", "")
+    if route == "relay_poll":
+        for i, e in enumerate(body["agents"]):
+            if not isinstance(e, dict) or not isinstance(e.get("agent"), str):
+                raise UsageError(f"the request's agents[{i}] is malformed", "expected {agent, credential, "
+                                 "incarnation, results?}", "see docs/coordinator.md, \"Relays\"")
+            _check(CARRIED, e, f"agents[{i}].")
+            if not all(isinstance(r, dict) for r in e.get("results") or ()):
+                raise UsageError(f"the request's agents[{i}].results are malformed", "expected a list of objects",
+                                 "")
     if route == "place" and not all(isinstance(h, str) for h in body.get("hosts") or ()):
         raise UsageError("the request's hosts are malformed", "expected a list of host names", "")
 

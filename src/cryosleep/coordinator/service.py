@@ -18,6 +18,13 @@ Agents::
     POST /v1/agents/{agent}/results       {incarnation, results: [...]}    -> {accepted}
     POST /v1/agents/{agent}/leave         {incarnation, reason}            -> {left}  (its job ended there)
 
+Relays (coordinator/relay.py: a relay holds its agents' polls and carries them here in one request)::
+
+    POST /v1/relays/poll                  {wait_s, relay?, agents: [{agent, credential, incarnation, results?}]}
+                                          -> {answers: {agent: {status, body}}}  (long poll; the agents not
+                                          answered are still waiting: the relay carries them again; entries
+                                          with poll: false are results posted on their own, answered at once)
+
 Clients::
 
     GET  /metrics                          the coordinator's Prometheus metrics (text format; coordinator/metrics.py)
@@ -36,6 +43,7 @@ Clients::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import ssl
@@ -50,12 +58,15 @@ from cryosleep.coordinator import httpserver, security
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
 from cryosleep.coordinator.metrics import CONTENT_TYPE_LATEST
-from cryosleep.coordinator.protocol import PROTOCOL_VERSION
+from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Result
 from cryosleep.coordinator.shared import Lease
-from cryosleep.errors import CryosleepError, NotFound, UsageError
+from cryosleep.errors import CryosleepError, Forbidden, NotFound, UsageError
 
 __all__ = ["Coordinator", "Server", "ServiceConfig", "parse_listen", "read_token", "shutdown", "start"]
 
+GATHER_S = 0.002
+"""A relay's batch, woken by one of its agents' commands, waits this long for the rest of the round's (2 ms: the
+commands of one round are queued under one lock acquisition, so they are nearly always all there at once)."""
 LEASE_TTL_S = 10.0  # a standby takes over at most this long after the active coordinator died
 
 
@@ -84,6 +95,7 @@ ROUTES: list[Route] = [
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/poll$"), "poll"),
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/results$"), "results"),
     ("POST", re.compile(r"^/v1/agents/(?P<agent>[^/]+)/leave$"), "leave"),
+    ("POST", re.compile(r"^/v1/relays/poll$"), "relay_poll"),
     ("GET", re.compile(r"^/v1/jobs$"), "jobs"),
     ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)$"), "job"),
     ("GET", re.compile(r"^/v1/jobs/(?P<job>[^/]+)/snapshots$"), "job_snapshots"),
@@ -128,6 +140,7 @@ class Api:
 
     def __init__(self, server: Server) -> None:
         self.server = server
+        self.verified: dict[str, str] = {}  # agent credentials carried by relays -> their agents
 
     def head(self, req: httpserver.Request) -> httpserver.Response | None:
         url = urlsplit(req.target)
@@ -156,6 +169,8 @@ class Api:
             self.server.gate.check(adm, body, query)
             if route == "poll":
                 return self._poll(req, adm, body)
+            if route == "relay_poll":
+                return self._relay_poll(req, adm, body)
             if route in FAST_ROUTES:
                 return self._ok(adm, body, self._route(route, adm.params, query, body, req.conn))
             return self._blocking(req, adm, body, query)
@@ -232,6 +247,80 @@ class Api:
             c.hub.poll_close(line, wake)
         assert isinstance(got, list)
         return self._ok(adm, body, {"commands": [cmd.to_json() for cmd in got]})
+
+    async def _relay_poll(self, req: httpserver.Request, adm: security.Admission,
+                          body: dict[str, Any]) -> httpserver.Response:
+        """A relay's batched long poll: every carried agent's credential verified, each counted polling while
+        the batch is held (liveness as its own poll), the batch woken by any of its agents' commands and answered,
+        ``GATHER_S`` later, with every carried agent's commands then due (a round's 64 agents: one answer, not
+        64). Only the agents answered are in ``answers``; the others were still waiting. Entries with ``poll: false``
+        are results posted on their own: recorded and answered at once (the relay sends them in batches of
+        their own)."""
+        c = self.server.coordinator
+        answers: dict[str, dict[str, Any]] = {}
+        polls: list[tuple[str, str, list[Result]]] = []
+        wait = c.cfg.poll_wait_s
+        for e in body["agents"]:
+            agent = str(e["agent"])
+            why = self._carried(str(e.get("credential", "")), agent)
+            if why is not None:
+                err = Forbidden("the coordinator refused a carried poll", why,
+                                "the relay must pass each agent's own credential (docs/security.md)")
+                answers[agent] = {"status": 403, "body": err.to_json()}
+                continue
+            if e.get("poll") is False:  # results posted on their own, carried: recorded, answered at once
+                try:
+                    answers[agent] = {"status": 200, "body": c.results(agent, e)}
+                except CryosleepError as err:
+                    answers[agent] = {"status": STATUS.get(err.kind, 500), "body": err.to_json()}
+                continue
+            inc, results, w = c.poll_args({"wait_s": body.get("wait_s", wait), **e})
+            polls.append((agent, inc, results))
+            wait = min(wait, w)
+        wake = self.server.wakeup()
+        lines = c.hub.batch_open(polls, wake)
+        held = {a: line for a, line in lines.items() if line is not None}
+        for a in set(lines) - set(held):
+            answers[a] = {"status": 404, "body": c.unknown_agent(a).to_json()}
+        name = adm.principal.name if adm.principal is not None else "?"
+        if body.get("relay"):  # where it listens: relays sharing one credential told apart in the metrics
+            name = f"{name} {str(body['relay'])[:200]}"
+        c.metrics.relay_batch(name, len(held), +1)
+        conn = req.conn
+        conn.waiting = wake
+        try:
+            end = time.monotonic() + wait
+            while held and not answers:
+                due = c.hub.batch_due(held)
+                if due:
+                    if len(due) < len(held):  # the round's other commands may be a moment behind: gather them
+                        await asyncio.sleep(GATHER_S)
+                        due.update(c.hub.batch_due({a: line for a, line in held.items() if a not in due}))
+                    for a, cmds in due.items():
+                        answers[a] = {"status": 404, "body": c.unknown_agent(a).to_json()} if cmds is None else \
+                            {"status": 200, "body": {"commands": [cmd.to_json() for cmd in cmds]}}
+                    break
+                left = end - time.monotonic()
+                if left <= 0 or conn.gone:
+                    break
+                await wake.wait(min(left, c.hub.redeliver_s))
+        finally:
+            conn.waiting = None
+            c.hub.batch_close(held.values(), wake)
+            c.metrics.relay_batch(name, len(held), -1)
+        return self._ok(adm, body, {"answers": answers})
+
+    def _carried(self, credential: str, agent: str) -> str | None:
+        """``Credentials.carried``, each credential verified once (its HMAC: the same verdict every time)."""
+        seen = self.verified.get(credential)
+        if seen == agent:
+            return None
+        why = self.server.gate.creds.carried(credential, agent)
+        if why is None:
+            if len(self.verified) > 200_000:
+                self.verified.clear()
+            self.verified[credential] = agent
+        return why
 
     def _route(self, name: str, p: dict[str, str], q: dict[str, list[str]], body: dict[str, Any],
                conn: httpserver.Connection) -> Any:
