@@ -191,6 +191,7 @@ class SnapshotSequence:
     holds_network = True  # keep-running: the job network held across the dumps (only nodes of many need it)
     rehearsal = False  # drain, quiesce and rebuild only: nothing captured (the embedded run's rehearse)
     verify_kept = True  # keep-running: every node re-reads its image (a coordinator lists it valid only then)
+    precopy = True  # each node pre-copies its memory at prepare where it can (False: ``--no-precopy``)
 
     def __init__(self, catalog: Journal, *, sid: str, job: str, mode: Mode, timeout_s: float,
                  nodes: Mapping[int, str], cfg: MachineConfig | None = None,
@@ -266,6 +267,8 @@ class SnapshotSequence:
         args = PrepareArgs(mode=str(self.mode))
         if self.rehearsal:
             args["rehearsal"] = True
+        if not self.precopy:
+            args["precopy"] = False
         out: Outcome[PrepareData] = self.gather(Op.PREPARE, args, self.deadline)
         self.gen = max([int(d["gen"]) for d in out.ok.values()] + [0])
         self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has
