@@ -392,11 +392,11 @@ class NodeCapture:
                 return
             rec.tracked, rec.processes = tracked, total
             self.precopy, self.tracked = rec, uffd
-            self.phases.durations["precopy-freeze"] = rec.freeze_s
             if self.fault == precopy.FAULT:
                 raise CaptureFailed(f"a fault injected after the pre-dump (CRYOSLEEP_FAULT={precopy.FAULT})",
                                     "the test's fault point between the pre-dump and the dump",
                                     "the job goes on running")
+        self.phases.durations["precopy-freeze"] = rec.freeze_s  # of the precopy phase, the job frozen
 
     def quiesce(self) -> None:
         """(at the cut) every rank destroys its real communicators; the fast path moves device memory out.
