@@ -9,6 +9,12 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
     outbound   (job running, when it has connections to peers outside the job) a bounded wait for their send
                queues to drain; recorded, for a restore to reset them (capture/outbound.py)
     prepare    (fast path, job still running) each rank's pinned staging file grown to its device memory
+    precopy    (job still running; keep-running and stop, where criu-uffd is built and the kernel tracks) the
+               job's processes asked to track their writes (the agent's Tracker), then criu-uffd's pre-dump of
+               the tree into the staging's ``criu-pre``: the job frozen only while CRIU reads its page maps
+               (``precopy-freeze``, CRIU's own time, in the pause), its pages copied while it runs
+               (capture/precopy.py). Where it cannot run, the dump is plain and the manifest's
+               ``NodeImage.precopy`` says why
     drain      (ranks that called NCCL) from HOLD to the consistent cut, the sequence's rounds included: every
                member of every communicator has issued exactly the same calls
     quiesce    every rank flushes and destroys its real NCCL communicators (no NCCL socket, IPC or
@@ -19,7 +25,8 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
     cuda-lock, cuda-checkpoint
                (GPU jobs) every CUDA process locked, then its device memory moved to host memory
     dump       CRIU freezes the tree, writes its image, stages the job's files and the NCCL control
-               blocks, then resumes it (keep-running) or holds it stopped (stop)
+               blocks, then resumes it (keep-running) or holds it stopped (stop); after a pre-dump, only the pages
+               written since (``--track-mem --prev-images-dir ../criu-pre``: the image is both directories)
     dump-record
                (CPU jobs without NCCL) the dump's records for a survivor of the agent, saved while the job runs:
                before CRIU stops it, and after a keep-running dump (a GPU or NCCL job, paused then, counts them
@@ -43,7 +50,9 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
 The pause (``pause_s``) is the sum of the phases in ``PAUSE`` (a stop snapshot adds those after the dump):
 counted in one place, ``NodeCapture.pause_s``.
 
-The node's undo, whatever failed, is ``NodeCapture.undo_capture`` then ``undo_nccl``, called by the
+A failure after the pre-dump fails the snapshot like any other: the staging goes with the pre-dump in it, and
+the job, which the pre-dump left running, is not touched by it. The node's undo, whatever failed, is
+``NodeCapture.undo_capture`` then ``undo_nccl``, called by the
 sequence's one rollback (its ``abort``): a held job is released (network lock removed, tasks continued), CUDA
 processes are restored and unlocked, a committed but unverified snapshot is removed, the staging directory is
 deleted; NCCL ranks that were only held run again, and past the cut every rank is quiesced at the cut for the
