@@ -34,6 +34,12 @@ __all__ = ["FAULT", "available", "predump", "tracked_criu"]
 
 FAULT = "precopy-fail"  # CRYOSLEEP_FAULT: the snapshot fails right after its pre-dump (tests/jobs)
 LOG = "pre-dump.log"
+# A pre-copy whose dump took less than this share of its pages from the pre-dump saved the job little (it rewrote
+# most of its memory in between: measured at 16% and 43% (docs/benchmarks.md), its pause was no shorter than a plain
+# dump's, the pre-dump's own writes slowing the dump's): the job's next snapshots dump plain, and every
+# RETRY_EVERY-th tries again (the job may have changed)
+MIN_SHARE = 0.5
+RETRY_EVERY = 4
 TRACK_TIMEOUT_S = 2.0  # every process's tracker answers within 50 ms when it runs; one that does not is not tracked
 _available: dict[tuple[str, ...], tuple[tuple[str, ...] | None, str]] = {}
 
@@ -58,6 +64,26 @@ def tracked_criu(criu: Criu) -> Criu | None:
     """The CRIU to dump with after a pre-dump: criu-uffd through the same prefix (None when there is none)."""
     argv, _ = available()
     return dataclasses.replace(criu, argv=argv) if argv is not None else None
+
+
+def worth_it(tracker: Tracker) -> str:
+    """Why this snapshot dumps plain because the job's last pre-copy saved too little ("" : pre-copy it)."""
+    last = tracker.last_share
+    if last is None or last >= MIN_SHARE:
+        return ""
+    tracker.plain_since += 1
+    if tracker.plain_since >= RETRY_EVERY:
+        tracker.plain_since = 0
+        return ""
+    return (f"the job's last pre-copy gave its dump only {last:.0%} of the pages (it rewrote its memory in between), "
+            f"under {MIN_SHARE:.0%}: a plain dump pauses it less (tried again every {RETRY_EVERY}th snapshot)")
+
+
+def learn(tracker: Tracker, rec: Precopy, pages_written: int) -> None:
+    """The pre-copy's share of the dump's pages, for the job's next snapshots (``worth_it``)."""
+    total = rec.pages_parent + pages_written
+    if total:
+        tracker.last_share = rec.pages_parent / total
 
 
 def register(tracker: Tracker, root_pid: int) -> tuple[int, int]:

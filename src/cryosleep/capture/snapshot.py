@@ -379,6 +379,8 @@ class NodeCapture:
         elif self.target.tracker is None:
             why = "the job's workers do not track their writes (started with --no-precopy or --no-interceptor, " \
                   "or before criu-uffd was built)"
+        elif not why:
+            why = precopy.worth_it(self.target.tracker)
         uffd = precopy.tracked_criu(self.criu) if not why else None
         if uffd is None:
             self.precopy = Precopy(why=why or "criu-uffd is not available")
@@ -502,6 +504,8 @@ class NodeCapture:
         criu_profile = criu_stats.read(node_dir, *self.dump_times)  # CRIU's own breakdown of the dump's freeze
         if self.precopy is not None and self.precopy.parent is not None:
             self.precopy.pages_parent = precopy.parent_pages(node_dir)
+            if self.target.tracker is not None and criu_profile is not None:
+                precopy.learn(self.target.tracker, self.precopy, criu_profile.pages_written)
         with self.phases.phase("checksum"):
             image_files = hash_tree(staging.path, [f"nodes/{self.node_rank}"], known=devmem_sums)
             staged = files.read_index(node_dir / "files")

@@ -50,6 +50,15 @@ class Registered:
     error: int = 0
 
 
+def _running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie never answers)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] not in ("Z", "X")
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -64,6 +73,10 @@ class Tracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.gen = 0
         self.fds: dict[int, list[int]] = {}
+        # the job's last pre-copy: the share of its dump's pages taken from the pre-dump (None: none yet), and the
+        # snapshots dumped plain since because it was too small (capture/precopy.py's ``worth_it``)
+        self.last_share: float | None = None
+        self.plain_since = 0
 
     def next_gen(self) -> int:
         """A round's generation: above any an earlier agent of the job used (a process's tracker answers only a
@@ -89,6 +102,8 @@ class Tracker:
                 try:
                     fields = (self.dir / f"{name.get(pid, pid)}.ack").read_text().split()
                 except OSError:
+                    if not _running(pid):  # gone (a short-lived child): no answer to wait for
+                        waiting.discard(pid)
                     continue
                 if len(fields) != 5 or int(fields[0]) != gen:
                     continue
