@@ -19,7 +19,10 @@ are); and for each keep-running snapshot, "job's step gap", the longest wait bet
 the snapshot cost the job, whatever held it (the pause, or a first snapshot's pinning of the staging file,
 which stalls the job's CUDA calls outside the reported pause). ``--paths``: the fast path (`run --fast-path`: the
 interceptor moves device memory itself) and/or the plain path (the CUDA driver's own checkpoint copies it),
-one after the other for each size. It uses its own
+one after the other for each size. ``--precopy on off``: the keep-running snapshots with the write-tracked
+pre-copy and without it (`snapshot --no-precopy`), ``--keep`` of each on the same job, each row saying which the
+manifest recorded (docs/precopy.md); ``--write-frac F``: the CPU job rewrites that part of its extra state every
+step (1: all of it; the rest is written once). It uses its own
 CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
 """
 
