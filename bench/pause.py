@@ -19,7 +19,10 @@ are); and for each keep-running snapshot, "job's step gap", the longest wait bet
 the snapshot cost the job, whatever held it (the pause, or a first snapshot's pinning of the staging file,
 which stalls the job's CUDA calls outside the reported pause). ``--paths``: the fast path (`run --fast-path`: the
 interceptor moves device memory itself) and/or the plain path (the CUDA driver's own checkpoint copies it),
-one after the other for each size. It uses its own
+one after the other for each size. ``--precopy on off``: the keep-running snapshots with the write-tracked
+pre-copy and without it (`snapshot --no-precopy`), ``--keep`` of each on the same job, each row saying which the
+manifest recorded (docs/precopy.md); ``--write-frac F``: the CPU job rewrites that part of its extra state every
+step (1: all of it; the rest is written once). It uses its own
 CRYOSLEEP_HOME and store under /tmp, and removes them afterwards.
 """
 
@@ -53,7 +56,8 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
     if a.gpu:
         job = [str(GPU_WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-gib", str(mem / 1024)]
     else:
-        job = [str(WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem)]
+        job = [str(WORKLOAD), "--steps", "100000", "--step-sleep", "0.1", "--mem-mb", str(mem),
+               "--write-frac", str(a.write_frac)]
     cli(env, "run", "--detach", "--name", name, "--nproc-per-node", str(a.nproc), *flags, *job)
     log = tmp / "home" / "jobs" / name / "logs" / "rank-0.log"
     steps = StepClock(log)
@@ -64,19 +68,23 @@ def measure(a: argparse.Namespace, env: dict[str, str], tmp: Path, name: str, me
     res_steps = steps.summary(time.monotonic())
     rows.append((mem, f"steps ({path})", res_steps))
     print(f"# {mem} MiB {path} steps before the first snapshot: {res_steps}", file=sys.stderr, flush=True)
-    for kind in ["keep-running"] * a.keep + ([] if a.no_stop else ["stop"]):
+    takes = [("keep-running", pc) for pc in a.precopy for _ in range(a.keep)]
+    for kind, pc in takes + ([] if a.no_stop else [("stop", a.precopy[0])]):
         t0 = time.monotonic()
-        res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []))
+        res = cli(env, "snapshot", name, *(["--stop"] if kind == "stop" else []),
+                  *(["--no-precopy"] if pc == "off" else []))
         if kind != "stop":  # the job's own view: its longest wait between two steps across the snapshot
             wait_lines(log, log.read_text().count("\n") + 3)
             res["step_gap_s"] = steps.longest_gap(t0, time.monotonic())
         shown = cli(env, "show", str(res["snapshot"]))
         res["criu"] = shown["nodes"][0].get("criu")  # type: ignore[index]
+        res["precopy"] = shown["nodes"][0].get("precopy")  # type: ignore[index]
+        kind = f"{kind}, pre-copy {'on' if (res['precopy'] or {}).get('parent') else 'off'}"  # type: ignore[attr-defined]
         res["plain"] = {r: why for n in shown["nodes"] for r, why in  # type: ignore[attr-defined]
                         ((n.get("gpu") or {}).get("fast_path") or {}).get("plain", {}).items()}
         rows.append((mem, f"{kind} ({path})", res))
         say(mem, kind, path, res)
-        if kind != "stop":
+        if not kind.startswith("stop"):
             cli(env, "rm", str(res["snapshot"]))  # keep the store small (it may be on tmpfs)
         else:  # the stop snapshot's baseline: the image's bytes written to the same filesystem, and fsynced
             res["disk_write_s"] = disk_write_s(Path(env["CRYOSLEEP_STORE"]), int(res["bytes"]))  # type: ignore[call-overload]
@@ -206,11 +214,23 @@ def criu_words(res: dict[str, object]) -> str:
             f"CRIU ran {float(c.get('run_s', 0.0)):.2f})")
 
 
+def precopy_words(res: dict[str, object]) -> str:
+    """The node's pre-copy (its manifest record: capture/precopy.py), or why the dump was plain."""
+    pc = dict(res.get("precopy") or {})  # type: ignore[call-overload]
+    if not pc.get("parent"):
+        return f"off ({pc.get('why') or 'no record'})"
+    c = dict(res.get("criu") or {})  # type: ignore[call-overload]
+    mib = 4096 / 2**20
+    return (f"pre-dump froze {float(pc['freeze_s']):.3f} s (ran {float(pc['run_s']):.2f} s, "
+            f"{int(pc['pages_copied']) * mib:.0f} MiB); the dump took {int(pc['pages_parent']) * mib:.0f} MiB from "
+            f"it and wrote {int(c.get('pages_written', 0)) * mib:.0f} MiB")
+
+
 def say(mem: int, kind: str, path: str, res: dict[str, object]) -> None:
     """One line per snapshot as it happens (the table comes at the end)."""
     print(f"# {mem} MiB {path} {kind}: pause {res.get('pause_s')} first step {res.get('first_step_s')} "
           f"phases {res.get('phases')} step gap {res.get('step_gap_s')} CRIU: {criu_words(res)}"
-          + (f" plain path: {res['plain']}" if res.get("plain") else ""),
+          + (f" plain path: {res['plain']}" if res.get("plain") else "") + f" pre-copy: {precopy_words(res)}",
           file=sys.stderr, flush=True)
 
 
@@ -243,6 +263,12 @@ def main() -> None:
     p.add_argument("--prepare-ahead", type=float, default=0.0, metavar="S",
                    help="the agent prepares the fast path's staging files every S s while the job runs (experimental; "
                    "the bench waits for it before the first snapshot)")
+    p.add_argument("--precopy", nargs="+", choices=["on", "off"], default=["on"],
+                   help="keep-running snapshots with the pre-copy (on: where criu-uffd can; the manifest says) and/or "
+                   "without it (`snapshot --no-precopy`), --keep of each, on the same job (docs/precopy.md)")
+    p.add_argument("--write-frac", type=float, default=1.0,
+                   help="the part of its extra state the CPU job rewrites every step (1: all of it, as ddp_basic "
+                   "did before; 1/64 = 0.015625: docs/precopy.md's workload)")
     p.add_argument("--paths", nargs="+", choices=["fast", "plain"], default=["fast"],
                    help="capture paths to measure, each in its own run (docs/interceptor.md, 'The fast path')")
     a = p.parse_args()
@@ -304,7 +330,7 @@ def main() -> None:
             sizes = f"{int(res['bytes']) / 2**20:.0f} MiB | {int(res['rss_bytes']) / 2**20:.0f} MiB"  # type: ignore[call-overload]
             image_per = f"{float(res['pause_s']) / gib:.3f}"  # type: ignore[arg-type]
             print(f"| {mem} | {kind} | {res['pause_s']:.2f} | {per} | {image_per} | {gap} | {gap_per} | {phases} | "
-                  f"{criu_words(res)} | {sizes} |")
+                  f"{criu_words(res)}; pre-copy: {precopy_words(res)} | {sizes} |")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
 

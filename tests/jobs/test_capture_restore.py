@@ -35,6 +35,12 @@ def test_ddp_adamw_keep_running_then_stop_and_restore(h: Harness, tmp_path: Path
     prof = h.cli_json("show", s1["snapshot"])["nodes"][0]["criu"]
     assert 0 < prof["memwrite_s"] <= prof["memdump_s"] <= prof["frozen_s"] <= prof["held_s"] <= s1["phases"]["dump"]
     assert prof["pages_written"] * 4096 <= s1["bytes"] and "post-dump" in prof["scripts_s"], prof
+    # by default, the write-tracked pre-copy (capture/precopy.py): the pre-dump's freeze is in the pause, and the
+    # dump took most pages from it (the job writes little between the two)
+    pre = h.cli_json("show", s1["snapshot"])["nodes"][0]["precopy"]
+    assert pre["parent"] == "criu-pre" and pre["why"] == "" and pre["tracked"] >= 2, pre
+    assert 0 < s1["phases"]["precopy-freeze"] == round(pre["freeze_s"], 4) < s1["phases"]["precopy"], s1["phases"]
+    assert pre["pages_parent"] > prof["pages_written"], (pre, prof)
     assert h.state("adamw") == "running"
     h.wait_step("adamw", 16)
     s2 = h.snapshot("adamw", "--stop")
@@ -80,13 +86,18 @@ def test_many_snapshots_stop_restore_twice(h: Harness, tmp_path: Path) -> None:
     h.run("many", script, args)
     for step in (5, 10, 15):
         h.wait_step("many", step)
-        h.snapshot("many")
+        plain = step == 10  # one dumped plain: --no-precopy, and the manifest says why
+        snap = h.snapshot("many", *(["--no-precopy"] if plain else []))
+        pre = h.cli_json("show", snap["snapshot"])["nodes"][0]["precopy"]
+        assert (pre["parent"] is None and "--no-precopy" in pre["why"]) if plain else pre["parent"] == "criu-pre", pre
     h.wait_step("many", 20)
     s = h.snapshot("many", "--stop")
     assert h.wait_end("many") == 75
     h.restore(s["snapshot"])
     h.wait_step("many", 35)
     s2 = h.snapshot("many", "--stop")
+    # after a restore, the restored workers' trackers answer the new agent: pre-copied again
+    assert h.cli_json("show", s2["snapshot"])["nodes"][0]["precopy"]["parent"] == "criu-pre"
     assert h.wait_end("many") == 75
     restored = h.restore(s2["snapshot"])
     assert restored["restored_from"] == s2["snapshot"]
@@ -191,6 +202,30 @@ def test_failed_or_timed_out_capture_leaves_the_job_running(h: Harness, fault: s
     assert not any((store / ".staging").iterdir()), "a failed snapshot left staging files"
     assert h.wait_end("atomic") == 0
     assert_identical(h, "atomic", script, args, [0, 1])
+
+
+def test_a_failure_after_the_pre_dump_drops_it_and_the_job_runs_on(h: Harness) -> None:
+    """A fault between the pre-dump and the dump (CRYOSLEEP_FAULT=precopy-fail, capture/precopy.py): each
+    snapshot fails cleanly, the job runs on unharmed, nothing stays in the store or its staging, and the next
+    snapshot pre-copies and is restored bit for bit."""
+    script = workload("ddp_basic")
+    args = ["--steps", "60", "--step-sleep", "0.05"]
+    h.run("prefail", script, args)
+    h.wait_step("prefail", 8)
+    env = dict(h.env, CRYOSLEEP_FAULT="precopy-fail")
+    for stop in ([], ["--stop"]):
+        res = h.cli("snapshot", "--json", "prefail", *stop, check=False, env=env)
+        assert res.returncode != 0 and "after the pre-dump" in res.stdout, res.stdout
+        assert h.state("prefail") == "running"
+    store = Path(os.environ["CRYOSLEEP_STORE"])
+    assert h.ls() == [] and not any((store / ".staging").iterdir()), "a failed snapshot left files"
+    before = len(h.losses("prefail"))
+    s = h.snapshot("prefail", "--stop")
+    assert before > 8 and h.cli_json("show", s["snapshot"])["nodes"][0]["precopy"]["parent"] == "criu-pre"
+    assert h.wait_end("prefail") == 75
+    h.restore(s["snapshot"])
+    assert h.wait_end("prefail") == 0
+    assert_identical(h, "prefail", script, args, [0, 1])
 
 
 def test_two_snapshots_at_once_and_snapshot_of_exited_job(h: Harness) -> None:

@@ -97,7 +97,9 @@ def test_data_parallel_keep_running_twice_then_stop_and_restore(h: Harness, tmp_
     for step in (6, 12):
         h.wait_step("dp", step)
         s = h.snapshot("dp")
-        assert list(s["phases"])[:4] == ["preflight", "drain", "quiesce", "dump"], s["phases"]
+        # the pre-copy before the drain (capture/precopy.py): the pre-dump while the ranks run, NCCL untouched
+        assert list(s["phases"])[:6] == ["preflight", "precopy", "precopy-freeze", "drain", "quiesce", "dump"], \
+            s["phases"]
         assert "rebuild" in s["phases"] and s["pause_s"] >= s["phases"]["drain"] + s["phases"]["rebuild"]
         assert h.state("dp") == "running"
     h.wait_step("dp", 20)
@@ -383,7 +385,8 @@ def test_fast_path_moves_device_memory_and_the_job_continues_identically(
     h.wait_step("fast", 10)
     stop = h.snapshot("fast", "--stop")
     assert {"offload", "devmem", "verify", "end"} <= set(stop["phases"]) and "reload" not in stop["phases"]
-    held = [p for p in stop["phases"] if p not in ("preflight", "prepare")]  # the job held all along (devmem too)
+    # the job held all along (devmem too), but for the pre-copy (its freeze counted apart, as precopy-freeze)
+    held = [p for p in stop["phases"] if p not in ("preflight", "prepare", "precopy")]
     assert stop["phases"]["devmem"] >= 0.002, stop
     assert abs(stop["pause_s"] - sum(stop["phases"][p] for p in held)) < 5e-4, stop
     assert h.wait_end("fast") == 75

@@ -127,6 +127,8 @@ def test_stop_to_s3_restore_from_s3_alone(h: Harness, srv: S3Server, tmp_path: P
     s2 = h.snapshot("s3job", "--stop")
     assert "persist" in s2["phases"] and s2["persist"]["state"] == "persisted", s2
     assert s2["persist"]["bytes_total"] == s2["bytes"] and s2["persist"]["bytes_skipped"] > 0  # shared with s1
+    # pre-copied (capture/precopy.py): the image is the dump and its pre-dump, and the chunk store holds both
+    assert "precopy" in s2["phases"] and "precopy-freeze" in s2["phases"], s2["phases"]
     assert h.wait_end("s3job") == 75
     # Both snapshots are in S3, none is left on this machine.
     store_dir = Path(os.environ["CRYOSLEEP_STORE"])

@@ -33,7 +33,7 @@ _IMAGE = ImageRef("job-1", 4096, "ab" * 32, "/var/lib/cryosleep/store", "node-1"
 
 # op -> (args, data): each with every key its type has, required and not
 SAMPLES: dict[Op, tuple[Any, Any]] = {
-    Op.PREPARE: (p.PrepareArgs(mode="keep-running", rehearsal=True),
+    Op.PREPARE: (p.PrepareArgs(mode="keep-running", rehearsal=True, precopy=False),
                  p.PrepareData(ranks=[0, 1], gen=24, facts={"host": "n1"}, net=False, learns=True,
                                can=[p.NET_IN_CAPTURE])),
     Op.HOLD: (p.HoldArgs(gen=32, hold_s=45.5, summary=True), p.DrainData(summary=_SUMMARY, views=[_VIEW])),

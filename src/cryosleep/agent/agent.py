@@ -32,6 +32,8 @@ from cryosleep.agent.watchdog import Watchdog
 from cryosleep.capture import criu_install, netlock
 from cryosleep.capture import restore as capture_restore
 from cryosleep.capture import snapshot as capture_snapshot
+from cryosleep.capture.track import ENV as TRACK_ENV
+from cryosleep.capture.track import Tracker
 from cryosleep.coordinator.client import AgentRunner, CoordinatorClient, Token, underlay_towards
 from cryosleep.coordinator.embedded import EmbeddedRun
 from cryosleep.coordinator.protocol import Mode
@@ -117,6 +119,8 @@ def worker_env(spec: JobSpec, ctl_dir: Path | None = None, devmem_dir: Path | No
         lib = str(interceptor_lib())
         env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
         env["CRYOSLEEP_NCCL_CTL"] = str(ctl_dir / "rank-{rank}.ctl")
+        if spec.precopy:  # each worker's tracker of its writes, for the pre-copy (capture/track.py; JobDir.track)
+            env[TRACK_ENV] = str(ctl_dir / "track")
         # NVLink multicast (NVLS) state cannot be checkpointed (docs/facts.md)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         if spec.fast_path and devmem_dir is not None:
@@ -233,6 +237,7 @@ class Agent:
         self.runner: AgentRunner | None = None
         self.watchdog: Watchdog | None = None
         self.exits: procwatch.JobExits | None = None  # the job's processes watched between snapshots (serve)
+        self._tracker: Tracker | None = None  # the fds that keep the workers' writes tracked (job_tracker)
         self.ended_by: str | None = None  # why the coordinator ended the job, if it did
         self.net_watch: coordinated.NetPeers | None = None  # overlay peers learned from the coordinator
         self.underlay = config.underlay
@@ -339,6 +344,8 @@ class Agent:
             failures.error_file(self.job, self.spec, r).unlink(missing_ok=True)
         for old in self.job.ctl.glob("rank-*.ctl"):  # a previous run's blocks: never mistaken for this one's
             old.unlink()
+        shutil.rmtree(self.job.track, ignore_errors=True)  # a previous run's requests and answers
+        self.job_tracker()
         devmem = None
         if self.spec.interceptor and self.spec.fast_path and Path("/dev/shm").is_dir():
             devmem = self.job.devmem
@@ -492,6 +499,8 @@ class Agent:
             self.job.socket.unlink(missing_ok=True)
         if self.tail:
             self.tail.poll(final=True)
+        if self._tracker is not None:  # the job is gone: so is what its fds tracked
+            self._tracker.close()
         if self.spec.net:  # the sandbox's veth went with it; the job's bridge goes when no node uses it here
             net_sandbox.release(self.spec.net, own_end=self.state.net_end)
         for d in {self.job.devmem, *self.devmem_dirs}:  # the fast path's staging: the snapshots hold their copy
@@ -664,6 +673,17 @@ class Agent:
         else:
             metrics.record_failure(job, "persist_failed")
 
+    def job_tracker(self) -> Tracker | None:
+        """The job's tracker of its workers' writes (one per job, its fds held between snapshots; after a restore,
+        the restored workers' trackers answer in the same directory), or None when they run without one."""
+        if not (self.spec.precopy and self.spec.interceptor):
+            return None
+        if self._tracker is None:
+            self._tracker = Tracker(self.job.track)
+            if (user := users.WorkerUser.from_json(self.spec.user)) is not None:  # the workers answer in it
+                user.give(self.job.track)
+        return self._tracker
+
     def capture_target(self, stop: bool, send: Any, *, persist: bool = True,
                        store: LocalStore | None = None) -> capture_snapshot.Target:
         """The running sandbox as a snapshot sees it (shared by local and coordinated snapshots)."""
@@ -679,7 +699,8 @@ class Agent:
                                          restored_from=self.state.restored_from, end=end, ctl=ctl,
                                          log=self.log_line if self.out is None else None, arm=self.arm,
                                          on_dump=self.on_dump, on_staging=self.on_staging,
-                                         exits=self.exits.since if self.exits is not None else None)
+                                         exits=self.exits.since if self.exits is not None else None,
+                                         tracker=self.job_tracker())
         if self.persister is None and persist:
             self.persister = store_persist.for_job(self.spec.name, self.spec.persist,
                                                    self.log_line if self.out is None else None)
@@ -708,6 +729,7 @@ class Agent:
         run = EmbeddedRun(node, job=self.spec.name, mode=Mode.STOP if stop else Mode.KEEP_RUNNING,
                           timeout_s=float(req.get("timeout") or 600.0), rehearsal=rehearse,
                           log=self.log_line if self.out is None else None)
+        run.precopy = req.get("precopy", True) is not False
         try:
             row = run.take()
         except CryosleepError as e:

@@ -7,7 +7,7 @@ coordinator, which then runs every snapshot of the job on all its nodes at once 
 operation is one step of ``capture.snapshot.NodeCapture``, except the drain's decisions, which the sequence
 takes over every rank of every node, and the rebuild's id relay, which crosses nodes through it::
 
-    prepare      preflight (refuse with reasons, nothing touched), outbound drain, fast-path staging
+    prepare      preflight (refuse with reasons, nothing touched), outbound drain, fast-path staging, pre-copy
     hold         HOLD(gen) on the local ranks                             -> their counters, summed up
     report       (the ranks move on their own)                            -> their counters, summed up
     targets      the targets the coordinator decided, written; answers awaited -> their counters, summed up
@@ -262,8 +262,7 @@ class CoordinatedNode:
                        f"{agent.spec.node_rank}", f"started as {agent.state.snapshot_in_progress or 'another'}",
                        "wait for it to finish, then try again")
         self.holds_lock = True
-        stop = args["mode"] == "stop"
-        rehearsal = bool(args.get("rehearsal"))
+        stop, rehearsal = args["mode"] == "stop", bool(args.get("rehearsal"))
         self.sid = cmd.snapshot
         try:
             if agent.stopping or not agent.job_alive():
@@ -273,7 +272,8 @@ class CoordinatedNode:
             agent.save_state()
             target = agent.capture_target(stop, self.send, persist=not rehearsal, store=self.store)
             self.cap = capture_snapshot.NodeCapture(target, self.store, stop=stop, deadline=local_deadline(cmd),
-                                                    progress=self.progress, fault=self.fault, rehearsal=rehearsal)
+                                                    progress=self.progress, fault=self.fault, rehearsal=rehearsal,
+                                                    precopy=args.get("precopy", True))
             self.cap.preflight()
             self.nccl = self.cap.nccl
             self.cap.before_pause()

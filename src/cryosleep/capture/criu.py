@@ -227,8 +227,10 @@ def veth_externals(root_pid: int) -> list[str]:
 
 def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: float,
          extra_env: dict[str, str] | None = None, mounts: list[str] | None = None,
-         on_start: Callable[[int], None] | None = None) -> DumpResult:
-    """Dump the tree of ``root_pid`` into ``node_dir/criu``; stage its files into ``node_dir/files``.
+         on_start: Callable[[int], None] | None = None, parent: str | None = None) -> DumpResult:
+    """Dump the tree of ``root_pid`` into ``node_dir/criu``; stage its files into ``node_dir/files``. ``parent``:
+    the pre-dump's images (relative to ``node_dir/criu``): only the pages written since are dumped (criu-uffd's
+    ``--track-mem``, capture/precopy.py).
 
     On failure or timeout every task is left running (CRIU rolls back, or after a kill we remove the network
     lock and repair mode; then the stopped tasks are continued) and CaptureFailed is raised with CRIU's own
@@ -248,6 +250,7 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
         "--ghost-limit", str(GHOST_LIMIT),
         "--leave-running" if leave == "running" else "--leave-stopped",
         "--action-script", script, *_external_args(mounts or []), *veth_externals(root_pid),
+        *(["--track-mem", "--prev-images-dir", parent] if parent else []),
     )
     full_env = criu.env(dict(os.environ, **env, **(extra_env or {})))
     tree = proctree.tree(root_pid)  # CRIU freezes this tree: if CRIU dies, these are what to stop at once

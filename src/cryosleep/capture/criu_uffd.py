@@ -15,7 +15,7 @@ CRIU does not register anything: whoever holds the userfaultfd does (a process w
 shows every page written, and is dumped whole, as without tracking). The registration lives as long as any
 process holds the file, so the tracked process can hand its fd to another (``pidfd_getfd``) and close its own:
 CRIU cannot dump a process holding a userfaultfd. docs/precopy.md has the design, the measurements and what is
-left (the snapshot sequence does not use this build yet).
+left; capture/precopy.py runs this build in the snapshot sequence.
 
 Built from Debian's source of the pinned version (``core/criu_source.json``: its orig tarball, pinned by SHA-256,
 fetched from the same archive as the .debs), with this machine's compiler and -dev packages (``make criu-uffd``

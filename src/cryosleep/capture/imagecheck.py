@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from cryosleep.capture import criu as criu_calls
-from cryosleep.store.manifest import FileEntry, Manifest
+from cryosleep.store.manifest import PRECOPY_PARENT, FileEntry, Manifest
 
 __all__ = ["GATE_ENV", "PageCheck", "streamed_files"]
 
@@ -46,9 +46,10 @@ GATE_SCRIPT = (
 
 
 def streamed_files(manifest: Manifest) -> dict[str, FileEntry]:
-    """The files whose content is checked as the restore reads them (CRIU's pages files), by path."""
+    """The files whose content is checked as the restore reads them (CRIU's pages files: the final dump's and
+    its pre-dump's, which CRIU reads through the ``parent`` link), by path."""
     return {f.path: f for n in manifest.nodes for f in n.files
-            if "/criu/" in f.path and Path(f.path).name.startswith("pages-")}
+            if ("/criu/" in f.path or f"/{PRECOPY_PARENT}/" in f.path) and Path(f.path).name.startswith("pages-")}
 
 
 def _sha256(path: Path, size: int, stop: threading.Event) -> str:

@@ -9,6 +9,12 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
     outbound   (job running, when it has connections to peers outside the job) a bounded wait for their send
                queues to drain; recorded, for a restore to reset them (capture/outbound.py)
     prepare    (fast path, job still running) each rank's pinned staging file grown to its device memory
+    precopy    (job still running; keep-running and stop, where criu-uffd is built and the kernel tracks) the
+               job's processes asked to track their writes (the agent's Tracker), then criu-uffd's pre-dump of
+               the tree into the staging's ``criu-pre``: the job frozen only while CRIU reads its page maps
+               (``precopy-freeze``, CRIU's own time, in the pause), its pages copied while it runs
+               (capture/precopy.py). Where it cannot run, the dump is plain and the manifest's
+               ``NodeImage.precopy`` says why
     drain      (ranks that called NCCL) from HOLD to the consistent cut, the sequence's rounds included: every
                member of every communicator has issued exactly the same calls
     quiesce    every rank flushes and destroys its real NCCL communicators (no NCCL socket, IPC or
@@ -19,7 +25,8 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
     cuda-lock, cuda-checkpoint
                (GPU jobs) every CUDA process locked, then its device memory moved to host memory
     dump       CRIU freezes the tree, writes its image, stages the job's files and the NCCL control
-               blocks, then resumes it (keep-running) or holds it stopped (stop)
+               blocks, then resumes it (keep-running) or holds it stopped (stop); after a pre-dump, only the pages
+               written since (``--track-mem --prev-images-dir ../criu-pre``: the image is both directories)
     dump-record
                (CPU jobs without NCCL) the dump's records for a survivor of the agent, saved while the job runs:
                before CRIU stops it, and after a keep-running dump (a GPU or NCCL job, paused then, counts them
@@ -43,7 +50,9 @@ in this order, for a one-node job (in-process, ``coordinator/embedded.py``) as f
 The pause (``pause_s``) is the sum of the phases in ``PAUSE`` (a stop snapshot adds those after the dump):
 counted in one place, ``NodeCapture.pause_s``.
 
-The node's undo, whatever failed, is ``NodeCapture.undo_capture`` then ``undo_nccl``, called by the
+A failure after the pre-dump fails the snapshot like any other: the staging goes with the pre-dump in it, and
+the job, which the pre-dump left running, is not touched by it. The node's undo, whatever failed, is
+``NodeCapture.undo_capture`` then ``undo_nccl``, called by the
 sequence's one rollback (its ``abort``): a held job is released (network lock removed, tasks continued), CUDA
 processes are restored and unlocked, a committed but unverified snapshot is removed, the staging directory is
 deleted; NCCL ranks that were only held run again, and past the cut every rank is quiesced at the cut for the
@@ -67,7 +76,8 @@ from typing import Any
 
 from cryosleep import __version__, paths
 from cryosleep.capture import criu as criu_calls
-from cryosleep.capture import criu_install, criu_stats, cuda, eligibility, files, netlock, outbound
+from cryosleep.capture import criu_install, criu_stats, cuda, eligibility, files, netlock, outbound, precopy
+from cryosleep.capture.track import Tracker
 from cryosleep.core import proctree, procwatch
 from cryosleep.core.interceptor import ControlBlock, attach_published
 from cryosleep.core.job import JobSpec
@@ -86,6 +96,7 @@ from cryosleep.store.manifest import (
     NodeGpu,
     NodeImage,
     NodeOutbound,
+    Precopy,
 )
 from cryosleep.timing import Phases, Progress
 
@@ -100,9 +111,10 @@ SETTLE_S = 10.0
 # refused rather than captured in the middle of it
 SETTLE_MAX_S = 3 * SETTLE_S
 
-# The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end).
-PAUSE = ["drain", "quiesce", "offload", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore", "cuda-unlock",
-         "reload", "rebuild"]
+# The phases during which the job does not run (a stop snapshot adds checksum, commit, verify and end); the
+# pre-dump's freeze (``precopy-freeze``, CRIU's own time) inside its ``precopy`` phase, the job running otherwise.
+PAUSE = ["precopy-freeze", "drain", "quiesce", "offload", "cuda-lock", "cuda-checkpoint", "dump", "cuda-restore",
+         "cuda-unlock", "reload", "rebuild"]
 
 
 @dataclass
@@ -132,6 +144,9 @@ class Target:
     # The agent's watch on the job's processes between snapshots (core/procwatch.py ``JobExits.since``): the
     # exits at or after a monotonic time. None: no watch, the snapshot sees only what ends from its preflight on
     exits: Callable[[float], list[procwatch.Exit]] | None = None
+    # The agent's tracker of the job's writes (capture/track.py), for the pre-copy; None: the job's workers were
+    # started without theirs (capture/precopy.py: the dump is plain)
+    tracker: Tracker | None = None
 
 
 def host_facts(criu: criu_install.Criu, runtime: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +206,8 @@ class NodeCapture:
     wherever a failure left the node."""
 
     def __init__(self, target: Target, store: LocalStore, *, stop: bool, deadline: float,
-                 progress: Progress | None = None, fault: str | None = None, rehearsal: bool = False) -> None:
+                 progress: Progress | None = None, fault: str | None = None, rehearsal: bool = False,
+                 precopy: bool = True) -> None:
         self.target = target
         self.store = store
         self.stop = stop
@@ -221,6 +237,9 @@ class NodeCapture:
         self.fast: list[int] = []
         self.fast_skipped: dict[int, str] = {}
         self.manifest: Manifest | None = None
+        self.precopy_on = precopy  # False: this snapshot dumps plain (``--no-precopy``)
+        self.precopy: Precopy | None = None  # the pre-copy's record, or why the dump is plain (the manifest's)
+        self.tracked: criu_install.Criu | None = None  # criu-uffd, for the final dump after a pre-dump
 
     @property
     def node_rank(self) -> int:
@@ -345,6 +364,50 @@ class NodeCapture:
             with self.phases.phase("prepare"):
                 self.fast_skipped = nccl.prepare(nccl.fast_ranks(), self.deadline)
                 self.fast = [r for r in nccl.fast_ranks() if r not in self.fast_skipped]
+        self.pre_copy()
+
+    def pre_copy(self) -> None:
+        """(job running, before the drain) The write-tracked pre-copy (capture/precopy.py): the job's processes
+        track their writes, and criu-uffd's pre-dump copies their memory into the staging, freezing the job only
+        to read its page maps (``precopy-freeze``, in the pause); the dump then copies only what was written
+        since. Where it cannot, the dump is plain and the manifest says why. A failure after the pre-dump fails
+        the snapshot: the rollback drops the staging, pre-dump included; the job, left running, is unharmed."""
+        assert self.staging is not None
+        _, why = precopy.available()
+        if not self.precopy_on:
+            why = "turned off for this snapshot (--no-precopy)"
+        elif self.target.tracker is None:
+            why = "the job's workers do not track their writes (started with --no-precopy or --no-interceptor, " \
+                  "or before criu-uffd was built)"
+        elif not why:
+            why = precopy.worth_it(self.target.tracker)
+        uffd = precopy.tracked_criu(self.criu) if not why else None
+        if uffd is None:
+            self.precopy = Precopy(why=why or "criu-uffd is not available")
+            return
+        assert self.target.tracker is not None
+        node_dir = self.staging.node_dir(self.node_rank)
+        with self.phases.phase("precopy"):
+            tracked, total = precopy.register(self.target.tracker, self.target.init_pid)
+            if not tracked:
+                self.precopy = Precopy(why="no process of the job answered the write tracker", processes=total)
+                return
+            try:
+                rec = precopy.predump(uffd, self.target.init_pid, node_dir, self.time_left())
+            except CaptureFailed as e:
+                precopy.drop(node_dir)
+                self.precopy = Precopy(why=f"the pre-dump failed: {e.what}: {e.why}"[:400], tracked=tracked,
+                                       processes=total)
+                if self.target.log is not None:
+                    self.target.log(f"pre-copy skipped, the dump is plain: {self.precopy.why}")
+                return
+            rec.tracked, rec.processes = tracked, total
+            self.precopy, self.tracked = rec, uffd
+            if self.fault == precopy.FAULT:
+                raise CaptureFailed(f"a fault injected after the pre-dump (CRYOSLEEP_FAULT={precopy.FAULT})",
+                                    "the test's fault point between the pre-dump and the dump",
+                                    "the job goes on running")
+        self.phases.durations["precopy-freeze"] = rec.freeze_s  # of the precopy phase, the job frozen
 
     def quiesce(self) -> None:
         """(at the cut) every rank destroys its real communicators; the fast path moves device memory out.
@@ -394,9 +457,9 @@ class NodeCapture:
             self.record(rec)
         with self.phases.phase("dump"):
             try:
-                res = criu_calls.dump(self.criu, self.target.init_pid, node_dir,
+                res = criu_calls.dump(self.tracked or self.criu, self.target.init_pid, node_dir,
                                       leave="stopped" if self.stop else "running", timeout=self.time_left(),
-                                      extra_env=extra, mounts=self.mounts,
+                                      extra_env=extra, mounts=self.mounts, parent=precopy.parent_arg(self.precopy),
                                       on_start=lambda pid: self.record(netlock.DumpRecord(rec.dir, pid)))
             except BaseException:
                 self.record(None)  # CRIU is gone, and what it left undone
@@ -439,6 +502,10 @@ class NodeCapture:
             with self.phases.phase("devmem"):
                 self.gpu_facts.fast_path = save_devmem(nccl, self.fast, self.fast_skipped, node_dir, devmem_sums)
         criu_profile = criu_stats.read(node_dir, *self.dump_times)  # CRIU's own breakdown of the dump's freeze
+        if self.precopy is not None and self.precopy.parent is not None:
+            self.precopy.pages_parent = precopy.parent_pages(node_dir)
+            if self.target.tracker is not None and criu_profile is not None:
+                precopy.learn(self.target.tracker, self.precopy, criu_profile.pages_written)
         with self.phases.phase("checksum"):
             image_files = hash_tree(staging.path, [f"nodes/{self.node_rank}"], known=devmem_sums)
             staged = files.read_index(node_dir / "files")
@@ -447,7 +514,7 @@ class NodeCapture:
         node = NodeImage(node_rank=self.node_rank, ranks=target.spec.ranks, init_pid=target.init_pid,
                          files=image_files, staged=staged, processes=len(self.tree), rss_bytes=self.rss,
                          gpu=self.gpu_facts, mounts=self.mounts, nccl=self.nccl_info, expected=expected,
-                         outbound=self.outbound_facts, criu=criu_profile)
+                         outbound=self.outbound_facts, criu=criu_profile, precopy=self.precopy)
         manifest = Manifest(
             id=staging.id, job=target.spec.to_json(), mode="stop" if self.stop else "keep-running",
             created_at=time.time(), nodes=[node], host=host_facts(self.criu, target.runtime),

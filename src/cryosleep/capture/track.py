@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,15 @@ class Registered:
     error: int = 0
 
 
+def _running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie never answers)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] not in ("Z", "X")
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -64,22 +73,37 @@ class Tracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.gen = 0
         self.fds: dict[int, list[int]] = {}
+        # the job's last pre-copy: the share of its dump's pages taken from the pre-dump (None: none yet), and the
+        # snapshots dumped plain since because it was too small (capture/precopy.py's ``worth_it``)
+        self.last_share: float | None = None
+        self.plain_since = 0
 
-    def register(self, pids: Iterable[int], timeout_s: float = 2.0) -> dict[int, Registered]:
+    def next_gen(self) -> int:
+        """A round's generation: above any an earlier agent of the job used (a process's tracker answers only a
+        generation above the last it served, and a restored process remembers its own): milliseconds of the
+        clock, and above this tracker's last."""
+        self.gen = max(self.gen + 1, int(time.time() * 1000))
+        return self.gen
+
+    def register(self, pids: Iterable[int], timeout_s: float = 2.0,
+                 names: Mapping[int, int] | None = None) -> dict[int, Registered]:
         """Asks every process in ``pids`` to register what it has not registered yet; returns the answers of those
-        that answered within ``timeout_s`` (the others are not tracked)."""
-        self.gen += 1
-        gen = self.gen
+        that answered within ``timeout_s`` (the others are not tracked). ``names``: each process's PID as it
+        sees itself (in the sandbox's PID namespace), which names its files; by default the same."""
+        gen = self.next_gen()
         waiting = set(pids)
+        name = dict(names or {})
         for pid in waiting:
-            _write(self.dir / f"{pid}.req", f"{gen}\n")
+            _write(self.dir / f"{name.get(pid, pid)}.req", f"{gen}\n")
         out: dict[int, Registered] = {}
         end = time.monotonic() + timeout_s
         while waiting and time.monotonic() < end:
             for pid in sorted(waiting):
                 try:
-                    fields = (self.dir / f"{pid}.ack").read_text().split()
+                    fields = (self.dir / f"{name.get(pid, pid)}.ack").read_text().split()
                 except OSError:
+                    if not _running(pid):  # gone (a short-lived child): no answer to wait for
+                        waiting.discard(pid)
                     continue
                 if len(fields) != 5 or int(fields[0]) != gen:
                     continue
@@ -90,7 +114,7 @@ class Tracker:
                         self.fds.setdefault(pid, []).append(pidfd_getfd(pid, fd))
                     except OSError:
                         continue  # gone meanwhile, or the fd closed after its wait ran out: not tracked
-                    _write(self.dir / f"{pid}.taken", f"{gen}\n")
+                    _write(self.dir / f"{name.get(pid, pid)}.taken", f"{gen}\n")
                 out[pid] = Registered(pid, vmas, size, err)
             if waiting:
                 time.sleep(0.01)
@@ -99,12 +123,19 @@ class Tracker:
     def tracked(self) -> list[int]:
         return sorted(self.fds)
 
-    def forget(self, pid: int) -> None:
-        """Stops tracking ``pid`` (it exited, or is restored anew)."""
+    def forget(self, pid: int, name: int | None = None) -> None:
+        """Stops tracking ``pid`` (it exited, or is restored anew); ``name``: its files' (its PID in the sandbox)."""
         for fd in self.fds.pop(pid, []):
             os.close(fd)
         for what in ("req", "ack", "taken"):
-            (self.dir / f"{pid}.{what}").unlink(missing_ok=True)
+            (self.dir / f"{pid if name is None else name}.{what}").unlink(missing_ok=True)
+
+    def keep(self, pids: Iterable[int]) -> None:
+        """Only ``pids`` stay tracked: the fds of processes gone since are closed."""
+        alive = set(pids)
+        for pid in [p for p in self.fds if p not in alive]:
+            for fd in self.fds.pop(pid):
+                os.close(fd)
 
     def close(self) -> None:
         for pid in list(self.fds):

@@ -15,7 +15,7 @@ from cryosleep import paths
 from cryosleep.agent import failures, resume
 from cryosleep.agent.agent import Agent, AgentConfig, become_subreaper, learns_peers, take_job_lock
 from cryosleep.agent.coordinated import RestoreRendezvous
-from cryosleep.capture import outbound
+from cryosleep.capture import outbound, precopy
 from cryosleep.capture.restore import Request, RestoreRun
 from cryosleep.cli import launch_args, resuming
 from cryosleep.cli.host_cmd import place_snapshot, placed, queued
@@ -68,6 +68,9 @@ def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-interceptor", action="store_true",
                    help="do not preload Cryosleep's NCCL interceptor into the workers (a job that then holds live "
                    "NCCL communicators on GPUs cannot be snapshot)")
+    p.add_argument("--no-precopy", action="store_true",
+                   help="the workers do not track their memory writes: every snapshot dumps their memory inside the "
+                   "pause (default: copied while the job runs where criu-uffd is built; docs/precopy.md)")
     fp = p.add_mutually_exclusive_group()
     fp.add_argument("--fast-path", dest="fast_path", action="store_true", default=None,
                     help="the interceptor serves the workers' cudaMalloc (and tracks the memory they map themselves) "
@@ -192,7 +195,9 @@ def build_spec(a: argparse.Namespace) -> JobSpec:
         name=name, program=launch.program, cwd=os.getcwd(), env=env,
         nproc_per_node=launch.nproc_per_node, nnodes=launch.nnodes, node_rank=launch.node_rank,
         master_addr=master_addr, master_port=launch.master_port or free_port(), run_id=launch.run_id,
-        interceptor=not a.no_interceptor, fast_path=fast_path, net=net, user=user.to_json() if user else {},
+        interceptor=not a.no_interceptor, fast_path=fast_path, net=net,
+        precopy=not a.no_interceptor and not getattr(a, "no_precopy", False) and precopy.available()[0] is not None,
+        user=user.to_json() if user else {},
         outbound=outbound.Policy.parse(a.outbound_reset, a.outbound_keep, a.outbound_drain).to_json(),
         rdzv_id=launch.rdzv_id, role=launch.role, local_ranks_filter=launch.local_ranks_filter,
         signals_to_handle=launch.signals_to_handle,

@@ -52,6 +52,9 @@ def add_snapshots(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     s.add_argument("--rehearse", action="store_true",
                    help="drain the job's NCCL ranks to a consistent cut, quiesce and rebuild their communicators, "
                    "and resume, capturing nothing (shows that the job can be cut, and the pause it costs)")
+    s.add_argument("--no-precopy", dest="precopy", action="store_false",
+                   help="dump the job's memory inside the pause, as without criu-uffd, instead of copying it first "
+                   "while the job runs (docs/precopy.md)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_snapshot)
 
@@ -110,7 +113,7 @@ def cmd_snapshot(a: argparse.Namespace) -> int:
         sys.stderr.write(f"cryosleep: {what} of job {a.job}\n")
     store = str((a.store or paths.default_store()).resolve())
     req = {"op": "snapshot", "stop": a.stop, "timeout": a.timeout, "store": store, "rehearse": a.rehearse,
-           "fault": os.environ.get("CRYOSLEEP_FAULT")}
+           "fault": os.environ.get("CRYOSLEEP_FAULT"), "precopy": a.precopy}
     bar = transfer.TransferPrinter(as_json=a.json)
 
     def on_event(msg: dict[str, object]) -> None:

@@ -8,6 +8,8 @@ operations are the capture steps of ``capture/snapshot.py``.
 ::
 
     prepare    every agent checks eligibility (nothing touched) ............................. refused: failed
+               then, the job running, pre-copies its memory where it can (capture/precopy.py: a short freeze;
+               ``precopy: false`` in the command, ``snapshot --no-precopy``, dumps plain)
     drain      HOLD on every rank of every node, then rounds: each node's summary of its ranks' counters
                (cut.summary) -> combined, cut.summary.decide_nodes over the whole job -> per-communicator
                targets to every node -> fresh summaries, until every member of every communicator issued the
@@ -51,7 +53,9 @@ next command); a step is folded into the next round's command only where that ba
   their bytes between nodes may still be under way when one node's quiesce is over; a node holding its network
   then would stall another's flush until the deadline. Only the quiesce barrier (every node flushed) makes the
   hold safe.
-* Prepare is alone: it touches nothing, so that a refusal leaves the job as it was.
+* Prepare is alone: it touches nothing, so that a refusal leaves the job as it was. Its last step, once the node
+  is found eligible, is the pre-copy (the pre-dump leaves the job running as it was; a refusal elsewhere drops it
+  with the staging): it needs no round of its own, and the nodes pre-dump at once.
 * Relay and run stay two rounds: RUN opens the gates, after which a rank runs past the cut; it must wait until
   every rank of every node is RUNNING(g) (relay's answer), or a rebuild failing on one node could no longer
   be undone on the others by quiescing again. Resume and relay cannot merge either: the ids a node needs are
@@ -191,6 +195,7 @@ class SnapshotSequence:
     holds_network = True  # keep-running: the job network held across the dumps (only nodes of many need it)
     rehearsal = False  # drain, quiesce and rebuild only: nothing captured (the embedded run's rehearse)
     verify_kept = True  # keep-running: every node re-reads its image (a coordinator lists it valid only then)
+    precopy = True  # each node pre-copies its memory at prepare where it can (False: ``--no-precopy``)
 
     def __init__(self, catalog: Journal, *, sid: str, job: str, mode: Mode, timeout_s: float,
                  nodes: Mapping[int, str], cfg: MachineConfig | None = None,
@@ -266,6 +271,8 @@ class SnapshotSequence:
         args = PrepareArgs(mode=str(self.mode))
         if self.rehearsal:
             args["rehearsal"] = True
+        if not self.precopy:
+            args["precopy"] = False
         out: Outcome[PrepareData] = self.gather(Op.PREPARE, args, self.deadline)
         self.gen = max([int(d["gen"]) for d in out.ok.values()] + [0])
         self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has

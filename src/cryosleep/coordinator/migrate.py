@@ -121,9 +121,11 @@ class MigrateRun(SnapshotRun):
     # ---- the phases ------------------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        out: Outcome[PrepareData] = self.gather(
-            Op.PREPARE, lambda n: PrepareArgs(mode=str(Mode.STOP if n in self.moving else Mode.KEEP_RUNNING)),
-            self.deadline)
+        def args(n: int) -> PrepareArgs:  # a staying node dumps nothing: no pre-copy there
+            return PrepareArgs(mode=str(Mode.STOP), precopy=self.precopy) if n in self.moving else \
+                PrepareArgs(mode=str(Mode.KEEP_RUNNING), precopy=False)
+
+        out: Outcome[PrepareData] = self.gather(Op.PREPARE, args, self.deadline)
         self.gen = max([int(d["gen"]) for d in out.ok.values()] + [0])
         self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())
         self.learns = all(bool(d.get("learns")) for n, d in out.ok.items() if n in self.staying)

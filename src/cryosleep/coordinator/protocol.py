@@ -150,6 +150,7 @@ class NoData(TypedDict):
 class PrepareArgs(TypedDict):
     mode: str  # a Mode's value: the node's own (a migration tells each node stop or keep-running)
     rehearsal: NotRequired[bool]  # sent only when true
+    precopy: NotRequired[bool]  # sent only when false: the node dumps plain, no pre-copy (capture/precopy.py)
 
 
 class PrepareData(TypedDict):

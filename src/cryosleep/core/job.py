@@ -105,6 +105,9 @@ class JobSpec:
     # the interceptor serves device memory so that it can move it itself (`cryosleep run --fast-path`;
     # docs/interceptor.md, "The fast path": opt-in until a GPU run shows it passing; fast_path_for decides)
     fast_path: bool = False
+    # the workers track their memory writes for the pre-copy (docs/precopy.md): set at launch where criu-uffd is
+    # built and the kernel can track, unless `cryosleep run --no-precopy`
+    precopy: bool = False
     # The job network (cryosleep.net.JobNet as JSON: subnet, this node's address, bridge, VNI, ifname);
     # empty: the sandbox shares the host's network (`cryosleep run --net job` sets it; docs/network.md).
     net: dict[str, Any] = field(default_factory=dict)
@@ -207,6 +210,11 @@ class JobDir:
     @property
     def ctl(self) -> Path:
         return self.path / "ctl"
+
+    @property
+    def track(self) -> Path:
+        """Where the workers' write trackers and the agent talk (capture/track.py)."""
+        return self.ctl / "track"
 
     @property
     def devmem(self) -> Path:

@@ -79,6 +79,20 @@ def _tree(top: Path, base: Path) -> list[str]:
     return out
 
 
+def make_links(base: Path, manifest: Manifest) -> None:
+    """The links the manifest describes (a pre-copied node's ``criu/parent``), made where missing; one that is
+    there must be exactly that link (StoreCorrupt otherwise)."""
+    for rel, target in manifest.links().items():
+        p = base / rel
+        if p.is_symlink() and os.readlink(p) == target:
+            continue
+        if p.exists() or p.is_symlink():
+            raise StoreCorrupt(f"the snapshot's {rel} is not the link its manifest describes",
+                               f"expected a link to {target}", "restore another snapshot")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, p)
+
+
 def _sign(manifest: Manifest) -> None:
     """Sign with the job's key (the key file of its remote store's config being the root when it names one)."""
     persist = manifest.job.get("persist")
@@ -147,6 +161,7 @@ class LocalStore:
         manifest.complete = True
         if sign:
             _sign(manifest)
+        make_links(staging.path, manifest)  # a fetched image's: the chunk store holds files, not links
         _write_manifest(staging.path / "manifest.json", manifest)
         self.snapshots.mkdir(parents=True, exist_ok=True)
         final = self.snapshots / staging.id
@@ -249,9 +264,19 @@ class LocalStore:
             return None
 
         listed = {f.path for n in m.nodes for f in n.files}
+        try:
+            links = m.links()
+        except ValueError as e:
+            links = {}
+            problems.append(str(e))
         for rel in _tree(base / "nodes", base):  # a file CRIU would read that the manifest does not name
-            if rel not in listed:
+            if rel in links:
+                p = base / rel
+                if not p.is_symlink() or os.readlink(p) != links[rel]:
+                    problems.append(f"{rel}: not the link to {links[rel]} the manifest describes")
+            elif rel not in listed:
                 problems.append(f"{rel}: not in the manifest (added after the snapshot)")
+        problems += [f"{rel}: missing (the link to {t})" for rel, t in links.items() if not (base / rel).is_symlink()]
         with ThreadPoolExecutor(max_workers=max(4, min(16, os.cpu_count() or 4))) as pool:  # large files: I/O, hashlib
             for problem in pool.map(check, entries):
                 if problem:

@@ -384,6 +384,37 @@ class CriuDump:
     stopping_s: float = 0.0
 
 
+# A node's pre-dump (docs/precopy.md): CRIU's images of the memory copied while the job ran, beside the final dump's
+# ``criu/`` in the node's directory; the final dump's images link to it (``criu/parent``, relative: CRIU opens it
+# from the images' directory) and take from it every page not written since.
+PRECOPY_PARENT = "criu-pre"
+PRECOPY_LINK = "criu/parent"
+
+
+@dataclass
+class Precopy:
+    """How a node's memory was copied: the write-tracked pre-copy (``parent`` is the pre-dump's directory, beside
+    ``criu/``), or a plain dump and why (``parent`` None, ``why`` the reason). None in snapshots older than this
+    record."""
+
+    parent: str | None = None
+    why: str = ""
+    freeze_s: float = 0.0  # the pre-dump's freeze of the job (CRIU's stats: the tree seized, then held)
+    run_s: float = 0.0  # the pre-dump's CRIU run, the job running but for its freeze
+    tracked: int = 0  # the processes whose writes were tracked (the others are dumped whole)
+    processes: int = 0
+    pages_copied: int = 0  # pages the pre-dump wrote
+    pages_parent: int = 0  # of the final dump's pages, those taken from the pre-dump (not written since)
+
+    def link(self, node_rank: int) -> tuple[str, str] | None:
+        """The ``parent`` link the node's image holds (its path in the snapshot, its target), or None."""
+        if self.parent is None:
+            return None
+        if self.parent != PRECOPY_PARENT:
+            raise ManifestError(f"node {node_rank}'s pre-dump is {self.parent!r:.60}, not {PRECOPY_PARENT!r}")
+        return f"nodes/{node_rank}/{PRECOPY_LINK}", f"../{PRECOPY_PARENT}"
+
+
 @dataclass
 class NodeImage:
     node_rank: int
@@ -401,6 +432,7 @@ class NodeImage:
     # Connections to peers outside the job, drained before the dump and reset at restore
     outbound: NodeOutbound = field(default_factory=NodeOutbound)
     criu: CriuDump | None = None  # CRIU's breakdown of the dump (profile only: a restore never reads it)
+    precopy: Precopy | None = None  # the pre-copy, or why the dump was plain (None: a snapshot from before it)
 
     @property
     def bytes(self) -> int:
@@ -427,6 +459,10 @@ class Manifest:
     def bytes(self) -> int:
         return sum(n.bytes for n in self.nodes)
 
+    def links(self) -> dict[str, str]:
+        """The links the snapshot's directory holds (path -> target): each pre-copied node's ``parent``."""
+        return dict(x for n in self.nodes if n.precopy is not None and (x := n.precopy.link(n.node_rank)))
+
     @property
     def job_name(self) -> str:
         return str(self.job["name"])
@@ -435,8 +471,9 @@ class Manifest:
         out = asdict(self)
         for node, n in zip(out["nodes"], self.nodes, strict=True):
             node.update(nccl=n.nccl.to_json(), gpu=n.gpu.to_json(), outbound=n.outbound.to_json())
-            if n.criu is None:  # absent, not null: a manifest written before the record serializes as it was signed
-                del node["criu"]
+            for key in ("criu", "precopy"):  # absent, not null: a manifest written before the record serializes as
+                if getattr(n, key) is None:  # it was signed
+                    del node[key]
         out["bytes"] = self.bytes
         return out
 

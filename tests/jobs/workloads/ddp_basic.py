@@ -1,14 +1,16 @@
 """2-rank (or N-rank) DDP on CPU with gloo and AdamW; prints each step's loss as exact float hex.
 
 Usage (under torchrun or cryosleep run): ddp_basic.py --steps N [--step-sleep S] [--hidden H] [--mem-mb M]
-[--own-log DIR] [--linger FILE] [--hold-at N --hold FILE] [--churn] [--helper-timeout-at N]. --mem-mb keeps that
-much extra state per rank (to measure snapshot cost against memory); --own-log makes each rank append its losses to
-a file it keeps open (a job's own log); --linger: after the last step, wait for FILE before ending (the job stays up
-for a test however slow the machine is); --hold-at N --hold FILE: after step N, wait for FILE (every rank between
-two steps, no collective under way: a test acts on the job at a known quiet moment); --churn: every step starts a
-short-lived child process (it exits 0 some 30 ms later, reaped the next step), as a DataLoader's workers come and
-go; --helper-timeout-at N: after step N, rank 0 runs a helper with a timeout it overruns (subprocess kills it with
-SIGKILL), then says so ("helper timed out"): a job that kills its own helper on purpose and goes on.
+[--write-frac F] [--own-log DIR] [--linger FILE] [--hold-at N --hold FILE] [--churn] [--helper-timeout-at N].
+--mem-mb keeps that much extra state per rank (to measure snapshot cost against memory), of which every step
+rewrites the first --write-frac (default 1: all of it; 1/64 is what docs/precopy.md measures); --own-log makes each
+rank append its losses to a file it keeps open (a job's own log); --linger: after the last step, wait for FILE
+before ending (the job stays up for a test however slow the machine is); --hold-at N --hold FILE: after step N, wait
+for FILE (every rank between two steps, no collective under way: a test acts on the job at a known quiet moment);
+--churn: every step starts a short-lived child process (it exits 0 some 30 ms later, reaped the next step), as a
+DataLoader's workers come and go; --helper-timeout-at N: after step N, rank 0 runs a helper with a timeout it
+overruns (subprocess kills it with SIGKILL), then says so ("helper timed out"): a job that kills its own helper on
+purpose and goes on.
 """
 
 import argparse
@@ -27,6 +29,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--mem-mb", type=int, default=0)
+    p.add_argument("--write-frac", type=float, default=1.0, help="the part of --mem-mb every step rewrites")
     p.add_argument("--own-log", default="", help="directory: each rank also appends its losses to a file there")
     p.add_argument("--linger", default="", help="after the last step, wait for this file before ending")
     p.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold FILE")
@@ -59,7 +62,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         if ballast is not None:
-            ballast.mul_(1.0)
+            ballast[: max(1, int(ballast.numel() * min(1.0, args.write_frac)))].mul_(1.0)
         print(f"step {step} loss {loss.item().hex()}", flush=True)
         if own is not None:
             own.write(f"step {step} loss {loss.item().hex()}\n")
