@@ -30,6 +30,7 @@ ONLY_CRYOSLEEP = {
     "LD_PRELOAD": "Cryosleep's NCCL interceptor is preloaded into every worker",
     "CRYOSLEEP_NCCL_CTL": "the interceptor's control file of each rank, in the job's directory",
     "CRYOSLEEP_JOB": "the job's name, for the interceptor",
+    "CRYOSLEEP_TRACK_DIR": "where each worker's tracker of its writes answers the agent (the pre-copy)",
     "NCCL_NVLS_ENABLE": "0 unless the user set it: NVLink multicast state cannot be checkpointed",
     "USE_LIBUV": "0: PyTorch's libuv TCPStore server holds an io_uring, which CRIU cannot dump",
 }
