@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 Progress = Callable[[str, str, float | None], None]
 """How a snapshot or a restore reports its phases as they go: (phase, "start" | "done" | "failed", seconds)."""
+
+PARTS = {"precopy-freeze": "precopy"}
+"""Durations recorded as a part of another phase (name -> that phase): the pre-dump's freeze of the job, inside
+its ``precopy`` phase, which the pause counts (capture/snapshot.py). A sum of phases leaves them out."""
+
+
+def whole(durations: Mapping[str, float]) -> float:
+    """The time of these phases together: each part (``PARTS``) is already in its phase."""
+    return sum(v for k, v in durations.items() if k not in PARTS)
 
 
 class Phases:
@@ -57,9 +66,14 @@ class Phases:
         for name in list(self._open):
             self.end(name, ok)
 
+    def part(self, name: str, seconds: float) -> None:
+        """Records ``seconds`` of the phase ``PARTS[name]`` (already timed) as its part ``name``."""
+        assert name in PARTS and PARTS[name] in self.durations, name
+        self.durations[name] = self.durations.get(name, 0.0) + seconds
+
     def total(self, names: list[str] | None = None) -> float:
         if names is None:
-            return sum(self.durations.values())
+            return whole(self.durations)
         return sum(self.durations.get(n, 0.0) for n in names)
 
     def rounded(self) -> dict[str, float]:

@@ -68,6 +68,11 @@ def test_stop_equivalent_of_keep_running_and_stop_snapshots() -> None:
     assert stop_equivalent(stop)[0] == pytest.approx(1.97)
     up = snap("u", 3, mode="stop", dump=1.0, persist=3.0)
     assert stop_equivalent(up) == (4.0, 3.0)
+    # the pre-dump's freeze is a part of its precopy phase (timing.PARTS): counted once, in the phase
+    pre = snap("p", 4, mode="stop", precopy=2.0, precopy_freeze=0.3, dump=1.0)
+    assert stop_equivalent(pre)[0] == pytest.approx(3.0)
+    pre_keep = snap("q", 5, precopy=2.0, precopy_freeze=0.3, dump=1.0, checksum=0.4)
+    assert stop_equivalent(pre_keep)[0] == pytest.approx(2.0 + 1.0 + 0.4 + 0.4 + 0.1)
 
 
 def test_estimate_uses_recent_complete_snapshots_with_a_margin() -> None:

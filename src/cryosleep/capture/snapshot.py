@@ -407,7 +407,7 @@ class NodeCapture:
                 raise CaptureFailed(f"a fault injected after the pre-dump (CRYOSLEEP_FAULT={precopy.FAULT})",
                                     "the test's fault point between the pre-dump and the dump",
                                     "the job goes on running")
-        self.phases.durations["precopy-freeze"] = rec.freeze_s  # of the precopy phase, the job frozen
+        self.phases.part("precopy-freeze", rec.freeze_s)  # of the precopy phase, the job frozen
 
     def quiesce(self) -> None:
         """(at the cut) every rank destroys its real communicators; the fast path moves device memory out.

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cryosleep.errors import UsageError
+from cryosleep.timing import whole
 
 __all__ = [
     "Estimate",
@@ -119,8 +120,8 @@ def stop_equivalent(s: PastSnapshot) -> tuple[float, float]:
     phases = dict(s.phases)
     waitable = sum(phases.get(p, 0.0) for p in WAITABLE)
     if s.mode == "stop":
-        return sum(phases.values()), waitable
-    base = sum(v for k, v in phases.items() if k not in _KEEP_ONLY)
+        return whole(phases), waitable
+    base = whole({k: v for k, v in phases.items() if k not in _KEEP_ONLY})
     # A stop snapshot re-reads and re-hashes its image (verify): about what checksum took.
     return base + phases.get("checksum", 0.0) + END_S, waitable
 
