@@ -133,3 +133,62 @@ def test_a_migrations_restore_waits_for_a_running_holder(job: JobDir, init: subp
         with pytest.raises(UsageError, match="already running"):
             job.take_lock(wait_held=0.5)
         assert 0.4 < time.monotonic() - start < 5
+
+
+LOOK = """
+import sys, time
+from pathlib import Path
+from cryosleep.core.job import JobDir
+job = JobDir(sys.argv[1], Path(sys.argv[2]))
+end = time.monotonic() + float(sys.argv[3])
+looks = alive = 0
+while time.monotonic() < end:
+    looks += 1
+    alive += job.agent_alive()
+print(looks, alive, flush=True)
+"""
+
+
+def lookers(job: JobDir, n: int, seconds: float) -> list[subprocess.Popen[str]]:
+    """``n`` processes that ask ``agent_alive`` as fast as they can for ``seconds`` (as `cryosleep jobs`, `run`'s
+    wait and a test's check do at once), each printing how often it asked and how often it was told yes."""
+    return [subprocess.Popen([sys.executable, "-c", LOOK, job.name, str(job.path.parent), str(seconds)],
+                             stdout=subprocess.PIPE, text=True) for _ in range(n)]
+
+
+def answers(procs: list[subprocess.Popen[str]]) -> list[tuple[int, int]]:
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=60)
+        looks, alive = map(int, stdout.split())
+        out.append((looks, alive))
+    return out
+
+
+def test_looks_at_once_never_see_an_agent_that_is_gone(job: JobDir, init: subprocess.Popen[bytes]) -> None:
+    """The CI failure: a job whose agent was killed read as running because another process looked at the same
+    moment (each look took the lock exclusively). Looks are shared now: none sees another as the agent; a
+    claim taken while they look gets the lock (it rides out their moments), and with an agent holding it every
+    look says so."""
+    record(job, init.pid)
+    job.path.mkdir(parents=True, exist_ok=True)
+    job.lock_file.touch()
+    procs = lookers(job, 3, 3.0)
+    time.sleep(0.5)
+    claims = 0
+    while procs[0].poll() is None:
+        fd = job.try_lock()
+        assert fd is not None, "a look was taken for an agent by a claim"
+        os.close(fd)
+        claims += 1
+        assert job.read()[1].state == "lost"
+    got = answers(procs)
+    assert all(looks > 100 for looks, _ in got), got
+    assert claims > 10
+    # while claims hold it for a moment, a look may see them; without claims, none may see anything
+    procs = lookers(job, 3, 2.0)
+    got = answers(procs)
+    assert all(looks > 100 and alive == 0 for looks, alive in got), got
+    with hold(job, 30):
+        got = answers(lookers(job, 2, 1.0))
+        assert all(looks > 100 and alive == looks for looks, alive in got), got

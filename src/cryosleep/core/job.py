@@ -37,6 +37,11 @@ from cryosleep.errors import CryosleepError, NotFound, UsageError
 # job's processes exit, freeing device and pinned memory, and it removes the staging files; seconds at 24 GiB).
 ENDING_WAIT_S = 120.0
 
+# A look at whether an agent lives (``JobDir.agent_alive``) holds the lock shared for a moment; one that takes it
+# (an agent starting, a claim) retries this long before it counts the lock held, so that such a look is never
+# taken for an agent.
+LOOK_WAIT_S = 0.5
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 # Exit code of `cryosleep run`/`restore` when the job was suspended by a stop snapshot (EX_TEMPFAIL):
@@ -281,7 +286,10 @@ class JobDir:
         except FileNotFoundError:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Shared: two looks at once never see each other as the agent (an exclusive look did: a job whose agent
+            # was killed read as running while another process looked); only an agent or a claim holds it
+            # exclusively.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
         finally:
@@ -292,9 +300,7 @@ class JobDir:
         """The job's lock if nobody holds it (never waits): its fd, else None. A lock file that is a symbolic link
         is not followed (OSError)."""
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock_exclusive(fd):
             os.close(fd)
             return None
         return fd
@@ -340,24 +346,22 @@ class JobDir:
                 fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except FileNotFoundError:  # `jobs rm` moved the directory away meanwhile: a fresh one
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _lock_exclusive(fd):
                 if self._is_lock(fd):
                     return fd
                 os.close(fd)  # the lock of a directory `jobs rm` took away while we opened it: the path's is ours
                 continue
-            except BlockingIOError:
-                moved = not self._is_lock(fd)  # held by `jobs rm`, which moved it away: the path's is free
-                os.close(fd)
-                if moved:
-                    continue
-                ending = self.agent_ending()
-                if (ending or time.monotonic() < held_end) and time.monotonic() < end:
-                    if not waited and on_wait is not None:
-                        on_wait()
-                    waited = True
-                    time.sleep(0.05)
-                    continue
+            moved = not self._is_lock(fd)  # held by `jobs rm`, which moved it away: the path's is free
+            os.close(fd)
+            if moved:
+                continue
+            ending = self.agent_ending()
+            if (ending or time.monotonic() < held_end) and time.monotonic() < end:
+                if not waited and on_wait is not None:
+                    on_wait()
+                waited = True
+                time.sleep(0.05)
+                continue
             if ending:
                 raise UsageError(
                     f"job {self.name!r} is still ending on this machine",
@@ -371,6 +375,20 @@ class JobDir:
                 f"another agent holds {self.lock_file}",
                 "pick another --name, or stop that job first",
             )
+
+
+def _lock_exclusive(fd: int) -> bool:
+    """Lock ``fd`` exclusively without waiting for a holder; False when one holds it. A look's shared hold
+    (``agent_alive``) lasts a moment: it is retried for ``LOOK_WAIT_S`` before the lock counts as held."""
+    end = time.monotonic() + LOOK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.005)
 
 
 def list_jobs(root: Path | None = None) -> list[tuple[JobSpec, JobState]]:
