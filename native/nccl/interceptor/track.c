@@ -37,6 +37,11 @@
 #define TAKE_WAIT_POLLS 200     /* the agent has 10 s to take the fd before it is closed (tracking lost) */
 
 static char track_dir[512];
+/* The userfaultfd this process holds until the agent takes it (-1: none), under held_lock from its creation to its
+ * close: a child forked meanwhile inherits it, and closes it (held_lock keeps the fork out of the moment between the
+ * fd's creation and its record here), for CRIU cannot dump a process holding one. */
+static int held_fd = -1;
+static pthread_mutex_t held_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void nap(long ns) {
   struct timespec ts = {0, ns};
@@ -73,14 +78,25 @@ static void write_file(const char* what, const char* text) {
 }
 
 /* Registers every private writable mapping not registered yet; returns the fd (-1: none needed or error). */
+static void drop_held(void) {
+  pthread_mutex_lock(&held_lock);
+  if (held_fd >= 0) close(held_fd);
+  held_fd = -1;
+  pthread_mutex_unlock(&held_lock);
+}
+
 static int register_all(unsigned* vmas, unsigned long long* bytes, int* err) {
   *vmas = 0, *bytes = 0, *err = 0;
+  pthread_mutex_lock(&held_lock);
   int uffd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
-  if (uffd < 0) return *err = errno, -1;
+  if (uffd < 0) *err = errno;
+  held_fd = uffd;
+  pthread_mutex_unlock(&held_lock);
+  if (uffd < 0) return -1;
   struct uffdio_api api = {.api = UFFD_API, .features = UFFD_FEATURE_WP_ASYNC};
-  if (ioctl(uffd, UFFDIO_API, &api) != 0) return *err = errno, close(uffd), -1;
+  if (ioctl(uffd, UFFDIO_API, &api) != 0) return *err = errno, drop_held(), -1;
   FILE* maps = fopen("/proc/self/maps", "re");
-  if (!maps) return *err = errno, close(uffd), -1;
+  if (!maps) return *err = errno, drop_held(), -1;
   char line[1024];
   while (fgets(line, sizeof(line), maps)) {
     unsigned long lo, hi;
@@ -100,7 +116,7 @@ static int register_all(unsigned* vmas, unsigned long long* bytes, int* err) {
     }
   }
   fclose(maps);
-  if (*vmas == 0) return close(uffd), -1;
+  if (*vmas == 0) return drop_held(), -1;
   return uffd;
 }
 
@@ -114,7 +130,7 @@ static void serve(unsigned long gen) {
   write_file("ack", ack);
   if (fd < 0) return;
   for (int i = 0; i < TAKE_WAIT_POLLS && read_gen("taken") < gen; i++) nap(TRACK_POLL_NS);
-  close(fd);
+  drop_held();
 }
 
 static void* track_main(void* arg) {
@@ -129,6 +145,19 @@ static void* track_main(void* arg) {
     nap(TRACK_POLL_NS);
   }
   return NULL;
+}
+
+static void fork_prepare(void) { pthread_mutex_lock(&held_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&held_lock); }
+
+/* A forked child: the parent's fd, when it held one, is closed here (the tracking is the parent's; the child's own
+ * memory is registered by its own tracker, started anew). */
+static void track_start(void);
+static void fork_child(void) {
+  if (held_fd >= 0) close(held_fd);
+  held_fd = -1;
+  pthread_mutex_unlock(&held_lock);
+  track_start();
 }
 
 static void track_start(void) {
@@ -149,6 +178,6 @@ __attribute__((constructor)) static void track_init(void) {
   const char* dir = getenv("CRYOSLEEP_TRACK_DIR");
   if (!dir || !dir[0] || strlen(dir) >= sizeof(track_dir)) return;
   strcpy(track_dir, dir);
-  pthread_atfork(NULL, NULL, track_start); /* a forked child has no thread but the one that forked */
+  pthread_atfork(fork_prepare, fork_parent, fork_child); /* a forked child has no thread but the one that forked */
   track_start();
 }
