@@ -85,6 +85,31 @@ def test_retried_trigger_gives_the_same_snapshot(env: Env) -> None:
     assert len(cl.snapshots("sim")) == 1
 
 
+def test_a_trigger_without_pre_copy_tells_every_node_so(env: Env, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``coordinator snapshot --no-precopy``: every node's prepare says ``precopy: false`` (its dump is plain); by
+    default the key is not sent (an agent pre-copies where it can); a precopy that is not a boolean is refused and
+    starts nothing."""
+    c = env.cluster(nnodes=2, nproc=2)
+    monkeypatch.setenv("CRYOSLEEP_COORDINATOR", env.url)
+    monkeypatch.setenv("CRYOSLEEP_COORDINATOR_TOKEN_FILE", str(env.tmp / "token"))
+    assert main(["coordinator", "snapshot", "sim", "--timeout", "20", "--no-precopy", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    default = env.client().snapshot("sim", timeout_s=20)
+    assert plain["state"] == default["state"] == "verified"
+
+    def prepares(sid: str) -> list[dict[str, object]]:
+        return [dict(cmd.args) for r in c.runners for cmd in r.received if cmd.op is Op.PREPARE and cmd.snapshot == sid]
+
+    assert [a.get("precopy") for a in prepares(plain["id"])] == [False, False]
+    assert [("precopy" in a) for a in prepares(default["id"])] == [False, False]
+    assert any("no pre-copy" in e["message"] for e in env.client().snapshot_detail(plain["id"])["events"])
+    h = {"Authorization": f"Bearer {env.token}", "Content-Type": "application/json"}
+    status, doc = raw(env, "/v1/jobs/sim/snapshots", h, b'{"mode": "keep-running", "precopy": "no"}')
+    assert status == 400 and doc["error"] == "usage" and "precopy" in str(doc["what"]), doc
+    assert len(env.client().snapshots("sim")) == 2
+
+
 def test_second_trigger_while_one_runs_is_busy(env: Env) -> None:
     c = env.cluster(nnodes=2, nproc=2, faults={0: SimFaults(delay={"capture": 1.0})})
     cl = env.client()

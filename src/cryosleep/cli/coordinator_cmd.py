@@ -84,6 +84,9 @@ def add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     help="end the job once every node's image is persisted and verified (default: keep it running)")
     sn.add_argument("--timeout", type=float, default=None, help="the one deadline for the whole snapshot (s)")
     sn.add_argument("--no-wait", action="store_true", help="return once the snapshot has started")
+    sn.add_argument("--no-precopy", dest="precopy", action="store_false",
+                    help="every node dumps its job's memory inside the pause instead of copying it first while the "
+                    "job runs (docs/precopy.md)")
     ls = _client_cmd(csub, "snapshots", "the snapshots in the coordinator's catalog", cmd_snapshots)
     ls.add_argument("job", nargs="?")
     ls.add_argument("--valid", action="store_true", help="only verified snapshots")
@@ -237,7 +240,7 @@ def cmd_snapshot(a: argparse.Namespace) -> int:
     if not a.json:
         sys.stderr.write(f"cryosleep: {'stop' if a.stop else 'keep-running'} snapshot of job {a.job} on all its "
                          "nodes\n")
-    s = _client(a).snapshot(a.job, stop=a.stop, timeout_s=a.timeout, wait=not a.no_wait)
+    s = _client(a).snapshot(a.job, stop=a.stop, timeout_s=a.timeout, wait=not a.no_wait, precopy=a.precopy)
     failed = s["state"] in ("failed", "aborted")
     if a.json:
         emit_json(s)

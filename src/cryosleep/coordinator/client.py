@@ -257,12 +257,15 @@ class CoordinatorClient:
         return self.http.call("GET", f"/v1/jobs/{quote(name, safe='')}")
 
     def snapshot(self, job: str, *, stop: bool = False, timeout_s: float | None = None, wait: bool = True,
-                 request_id: str | None = None) -> dict[str, Any]:
-        """Triggers a snapshot (with a request id, so that a retried call never starts a second one)."""
+                 request_id: str | None = None, precopy: bool = True) -> dict[str, Any]:
+        """Triggers a snapshot (with a request id, so that a retried call never starts a second one); ``precopy``
+        False: every node dumps plain, its memory copied inside the pause (docs/precopy.md)."""
         body: dict[str, Any] = {"mode": "stop" if stop else "keep-running", "wait": wait,
                                 "request_id": request_id or uuid.uuid4().hex}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
+        if not precopy:  # sent only when off: a coordinator of before takes the default
+            body["precopy"] = False
         limit = (timeout_s or 600.0) + 300.0 if wait else None
         return self.http.call("POST", f"/v1/jobs/{quote(job, safe='')}/snapshots", body, timeout=limit)
 

@@ -244,7 +244,7 @@ class Coordinator:
         return [self.job_status(j["name"]) for j in self.catalog.jobs()]
 
     def trigger(self, job: str, mode: str, timeout_s: float | None = None, request_id: str | None = None,
-                wait: bool = False) -> dict[str, Any]:
+                wait: bool = False, precopy: bool = True) -> dict[str, Any]:
         try:
             m = Mode(mode)
         except ValueError:
@@ -283,8 +283,10 @@ class Coordinator:
             self.catalog.create_snapshot(sid, job, str(m), timeout, request_id, nodes, incs)
             run = SnapshotRun(self.catalog, self.hub, sid=sid, job=job, mode=m, timeout_s=timeout, nodes=nodes,
                               incarnations=incs, cfg=self.machine_cfg, log=self.log, metrics=self.metrics)
+            run.precopy = precopy
             self.active[job] = run
-        self.catalog.event("trigger", f"{m} snapshot requested (timeout {timeout:g} s)", job=job, snapshot=sid)
+        plain = "" if precopy else ", no pre-copy"
+        self.catalog.event("trigger", f"{m} snapshot requested (timeout {timeout:g} s{plain})", job=job, snapshot=sid)
         self._spawn(f"snapshot-{sid}", lambda: self._finish(job, run, run.run))
         if wait:
             return self.wait_snapshot(sid, timeout + self.cfg.rollback_s * 2)

@@ -344,7 +344,7 @@ BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "poll": {"incarnation": (str,), "wait_s": _NUM, "results": (list,)},
     "results": {"incarnation": (str,), "results": (list,)},
     "relay_poll": {"wait_s": _NUM, "agents": (list,), "relay": (str,)},
-    "trigger": {"mode": (str,), "timeout_s": _NUM, "request_id": (str,), "wait": (bool,)},
+    "trigger": {"mode": (str,), "timeout_s": _NUM, "request_id": (str,), "wait": (bool,), "precopy": (bool,)},
     "rendezvous": {"put": (dict,), "get": (dict,)},
     "place": {"hosts": (list,), "timeout_s": _NUM},
     "enqueue": {"priority": (int,), "timeout_s": _NUM, "cancel": (bool,)},

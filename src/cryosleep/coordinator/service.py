@@ -30,7 +30,7 @@ Clients::
     GET  /metrics                          the coordinator's Prometheus metrics (text format; coordinator/metrics.py)
     GET  /v1/jobs                          the jobs, with their nodes' liveness
     GET  /v1/jobs/{job}                    one job: nodes, agents, the snapshot in progress
-    POST /v1/jobs/{job}/snapshots          {mode: keep-running|stop, timeout_s, request_id?, wait?}
+    POST /v1/jobs/{job}/snapshots          {mode: keep-running|stop, timeout_s, request_id?, wait?, precopy?}
     GET  /v1/jobs/{job}/snapshots          its snapshots (?valid=1: verified only)
     GET  /v1/snapshots                     all snapshots (?job=, ?valid=1)
     GET  /v1/snapshots/{id}                detail: per-node images and phase times, events
@@ -342,7 +342,8 @@ class Api:
             return {"snapshots": c.snapshots(p["job"], valid)}
         if name == "trigger":
             return c.trigger(p["job"], str(body.get("mode", "keep-running")), body.get("timeout_s"),
-                             body.get("request_id"), bool(body.get("wait", False)))
+                             body.get("request_id"), bool(body.get("wait", False)),
+                             precopy=body.get("precopy") is not False)
         if name == "rendezvous":
             get = body.get("get") or {}
             return c.board.exchange(p["sid"], body.get("put"), get.get("prefix"), int(get.get("min", 0)),
