@@ -120,7 +120,7 @@ def test_the_tracker_answers_in_a_forked_child_and_only_for_its_own_pid(tmp_path
                             env=_preload_env(tracker.dir), start_new_session=True)
     try:
         assert proc.stdout is not None
-        child = int(proc.stdout.readline())
+        child = int(next(line for line in proc.stdout if line.strip()))  # the child's empty line may come first
         got = tracker.register([proc.pid, child, 1])  # 1: no tracker there (not preloaded): no answer
         assert set(got) == {proc.pid, child}, got
         assert all(r.bytes >= 64 << 20 for r in got.values()), got
@@ -175,3 +175,28 @@ def test_a_child_forked_while_the_tracker_holds_its_fd_does_not_keep_it(tmp_path
         proc.wait(10)
         if held >= 0:
             os.close(held)
+
+
+def test_a_process_without_the_tracker_is_not_waited_for(tmp_path: Path) -> None:
+    """A process of the tree without the preload (no tracker thread) is not waited for: the round does not wait its
+    timeout out for it (docs/precopy.md: a round took its whole 2 s for such a process)."""
+    tracker = Tracker(tmp_path / "track")
+    prog = "import time; print(flush=True); time.sleep(60)\n"
+    with_it = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
+                               env=_preload_env(tracker.dir), start_new_session=True)
+    without = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, ENV: str(tracker.dir)}, start_new_session=True)
+    try:
+        for p in (with_it, without):
+            assert p.stdout is not None
+            p.stdout.readline()
+        t0 = time.monotonic()
+        got = tracker.register([with_it.pid, without.pid], timeout_s=60)
+        took = time.monotonic() - t0
+        assert set(got) == {with_it.pid}, got
+        assert took < 30, f"the round waited {took:.1f} s: for the process that has no tracker"
+    finally:
+        for p in (with_it, without):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+        tracker.close()

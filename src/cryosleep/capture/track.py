@@ -59,6 +59,26 @@ def _running(pid: int) -> bool:
     return stat[stat.rindex(")") + 2:][:1] not in ("Z", "X")
 
 
+TRACKER_THREAD = "cryosleep-trk"  # track.c's thread's name
+NO_TRACKER_S = 0.25  # a process still without that thread this long after a round began is not waited for
+
+
+def has_tracker(pid: int) -> bool:
+    """The process runs track.c's thread (a program without the preload, or one that has not loaded it yet, does
+    not: no answer would come, so none is waited for)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() == TRACKER_THREAD:
+                return True
+        except OSError:
+            continue  # a thread gone meanwhile
+    return False
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -88,15 +108,19 @@ class Tracker:
     def register(self, pids: Iterable[int], timeout_s: float = 2.0,
                  names: Mapping[int, int] | None = None) -> dict[int, Registered]:
         """Asks every process in ``pids`` to register what it has not registered yet; returns the answers of those
-        that answered within ``timeout_s`` (the others are not tracked). ``names``: each process's PID as it
-        sees itself (in the sandbox's PID namespace), which names its files; by default the same."""
+        that answered within ``timeout_s`` (the others are not tracked). A process that has had no tracker thread
+        for ``NO_TRACKER_S`` is not waited for (it cannot answer: a program without the preload, a static binary;
+        one forked or started just now gets its thread within that). ``names``: each process's PID as it sees
+        itself (in the sandbox's PID namespace), which names its files; by default the same."""
         gen = self.next_gen()
         waiting = set(pids)
+        seen: set[int] = set()  # those with a tracker thread
         name = dict(names or {})
         for pid in waiting:
             _write(self.dir / f"{name.get(pid, pid)}.req", f"{gen}\n")
         out: dict[int, Registered] = {}
-        end = time.monotonic() + timeout_s
+        start = time.monotonic()
+        end = start + timeout_s
         while waiting and time.monotonic() < end:
             for pid in sorted(waiting):
                 try:
@@ -104,6 +128,11 @@ class Tracker:
                 except OSError:
                     if not _running(pid):  # gone (a short-lived child): no answer to wait for
                         waiting.discard(pid)
+                    elif pid not in seen:
+                        if has_tracker(pid):
+                            seen.add(pid)
+                        elif time.monotonic() - start > NO_TRACKER_S:
+                            waiting.discard(pid)
                     continue
                 if len(fields) != 5 or int(fields[0]) != gen:
                     continue
