@@ -18,7 +18,7 @@ import pytest
 
 from cryosleep import paths
 from cryosleep.capture import criu_install, criu_stats, criu_uffd
-from cryosleep.capture.track import ENV, Tracker, pidfd_getfd
+from cryosleep.capture.track import ENV, Tracker, holds_userfaultfd, pidfd_getfd
 from tests.native.uffd_target import wait_for
 
 TARGET = Path(__file__).with_name("uffd_target.py")
@@ -27,11 +27,6 @@ MIB = 256
 
 def _preload_env(track: Path) -> dict[str, str]:
     return {**os.environ, "LD_PRELOAD": str(paths.native_dir() / "libcryosleep_nccl.so"), ENV: str(track)}
-
-
-def _holds_uffd(pid: int) -> bool:
-    fds = Path(f"/proc/{pid}/fd")
-    return any("userfaultfd" in os.readlink(f) for f in fds.iterdir() if f.is_symlink())
 
 
 @pytest.mark.parametrize("how", ["self", "preload"])
@@ -63,9 +58,9 @@ def test_a_tracked_dump_writes_only_what_changed_since_the_pre_dump_and_restores
             again = tracker.register([proc.pid])  # nothing new to register: no second fd
             assert again[proc.pid].vmas == 0 and len(tracker.fds[proc.pid]) == 1, again
             end = time.monotonic() + 5
-            while _holds_uffd(proc.pid) and time.monotonic() < end:
+            while holds_userfaultfd(proc.pid) and time.monotonic() < end:
                 time.sleep(0.02)
-        assert not _holds_uffd(proc.pid)  # what CRIU could not dump
+        assert not holds_userfaultfd(proc.pid)  # what CRIU could not dump
         pre, final = tmp_path / "pre", tmp_path / "final"
         pre.mkdir()
         final.mkdir()
@@ -199,4 +194,30 @@ def test_a_process_without_the_tracker_is_not_waited_for(tmp_path: Path) -> None
         for p in (with_it, without):
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+        tracker.close()
+
+
+def test_a_tracker_that_answers_late_lets_go_of_its_fd_at_once(tmp_path: Path) -> None:
+    """A process whose tracker answers after the round's wait ran out (a loaded machine) is not tracked, and does
+    not hold its userfaultfd for the 10 s it would wait for the agent to take it: the dump that follows the
+    pre-dump would fail on it ("Can't dump file ... anon_inode:[userfaultfd]")."""
+    tracker = Tracker(tmp_path / "track")
+    prog = ("import mmap, time\n"
+            "m = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); m.write(b'x' * (16 << 20))\n"
+            "print(flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
+                            env=_preload_env(tracker.dir), start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        assert tracker.register([proc.pid], timeout_s=0.001) == {}  # over before its tracker looks (every 50 ms)
+        wait_for(tracker.dir / f"{proc.pid}.ack", r"^\d+ \d+ ")  # it answered, late, with an fd
+        end = time.monotonic() + 2
+        while holds_userfaultfd(proc.pid) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not holds_userfaultfd(proc.pid), "the late tracker still holds its userfaultfd"
+        assert tracker.tracked() == []
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
         tracker.close()

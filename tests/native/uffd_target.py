@@ -2,11 +2,11 @@
 written every step (10 ms); the rest stays as it was. With HOW ``self`` it registers its memory for userfaultfd
 write-protect (async) itself and says the fd's number, closing it on SIGUSR2 (the test has taken it by then); with
 ``preload`` it does nothing of the kind: the preloaded interceptor's tracker registers it when asked
-(capture/track.py). SIGUSR1 checks every page against the
-step counter once the step it came in is done, and says OK or how many pages are wrong. It says things by appending to LOG (opened and closed each
-time: CRIU restores an open file only at the size it was dumped with), and each step that came more than 30 ms
-after the one before (the job's step clock: "gap SECONDS end MONOTONIC"). ``take_fd`` and ``wait_for`` are the
-other side's helpers (the test, bench/precopy.py)."""
+(capture/track.py). SIGUSR1 checks every page against the step counter once the step it came in is done, and says
+OK or how many pages are wrong. It says things by appending to LOG (opened and closed each time: CRIU restores an
+open file only at the size it was dumped with), and each step that came more than 30 ms after the one before (the
+job's step clock: "gap SECONDS end MONOTONIC"). ``take_fd`` and ``wait_for`` are the other side's helpers (the
+test, bench/precopy.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from cryosleep.capture import criu as criu_calls
 from cryosleep.capture import criu_stats, criu_uffd
 from cryosleep.capture.criu_install import Criu
-from cryosleep.capture.track import Tracker
+from cryosleep.capture.track import Tracker, holds_userfaultfd
 from cryosleep.core import proctree
 from cryosleep.errors import CaptureFailed
 from cryosleep.store.manifest import PRECOPY_PARENT, Precopy
@@ -41,6 +41,7 @@ LOG = "pre-dump.log"
 MIN_SHARE = 0.5
 RETRY_EVERY = 4
 TRACK_TIMEOUT_S = 2.0  # every process's tracker answers within 50 ms when it runs; one that does not is not tracked
+LET_GO_S = 1.0  # how long a late tracker is given to close its fd (told at once; it closes within a poll, 50 ms)
 _available: dict[tuple[str, ...], tuple[tuple[str, ...] | None, str]] = {}
 
 
@@ -88,11 +89,15 @@ def learn(tracker: Tracker, rec: Precopy, pages_written: int) -> None:
 
 def register(tracker: Tracker, root_pid: int) -> tuple[int, int]:
     """Every process of the tree asked to track its writes; (processes tracked, processes in the tree). The fds
-    of processes gone since the last round are closed."""
+    of processes gone since the last round are closed. It returns once no process of the tree holds a userfaultfd
+    (one whose tracker answered late closes its own: the dump could not take it), or after ``LET_GO_S``."""
     tree = [p for p in proctree.tree(root_pid) if proctree.state(p) not in ("Z", "X", "gone")]
     tracker.keep(tree)
     names = {p: n for p in tree if (n := proctree.ns_pid(p)) is not None}
     tracker.register(tree, TRACK_TIMEOUT_S, names=names)
+    end = time.monotonic() + LET_GO_S
+    while any(holds_userfaultfd(p) for p in tree) and time.monotonic() < end:
+        time.sleep(0.01)
     return len([p for p in tree if p in tracker.fds]), len(tree)
 
 

@@ -79,6 +79,21 @@ def has_tracker(pid: int) -> bool:
     return False
 
 
+def holds_userfaultfd(pid: int) -> bool:
+    """The process has a userfaultfd open (CRIU cannot dump it)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[userfaultfd]":
+                return True
+        except OSError:
+            continue  # closed meanwhile
+    return False
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -108,12 +123,14 @@ class Tracker:
     def register(self, pids: Iterable[int], timeout_s: float = 2.0,
                  names: Mapping[int, int] | None = None) -> dict[int, Registered]:
         """Asks every process in ``pids`` to register what it has not registered yet; returns the answers of those
-        that answered within ``timeout_s`` (the others are not tracked). A process that has had no tracker thread
-        for ``NO_TRACKER_S`` is not waited for (it cannot answer: a program without the preload, a static binary;
-        one forked or started just now gets its thread within that). ``names``: each process's PID as it sees
-        itself (in the sandbox's PID namespace), which names its files; by default the same."""
+        that answered within ``timeout_s`` (the others are not tracked, and are told their fd is taken, so that a
+        late one closes it at once rather than holding it, undumpable, for its 10 s wait). A process that has had
+        no tracker thread for ``NO_TRACKER_S`` is not waited for (it cannot answer: a program without the preload,
+        a static binary; one forked or started just now gets its thread within that). ``names``: each process's PID
+        as it sees itself (in the sandbox's PID namespace), which names its files; by default the same."""
         gen = self.next_gen()
         waiting = set(pids)
+        asked = set(waiting)
         seen: set[int] = set()  # those with a tracker thread
         name = dict(names or {})
         for pid in waiting:
@@ -147,6 +164,9 @@ class Tracker:
                 out[pid] = Registered(pid, vmas, size, err)
             if waiting:
                 time.sleep(0.01)
+        for pid in asked - set(out):  # late, or its fd not taken: it closes its own as soon as it has one
+            if _running(pid):
+                _write(self.dir / f"{name.get(pid, pid)}.taken", f"{gen}\n")
         return out
 
     def tracked(self) -> list[int]:
