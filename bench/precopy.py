@@ -50,7 +50,8 @@ def size_mib(d: Path) -> int:
     return sum(f.stat().st_size for f in d.iterdir() if f.is_file()) >> 20
 
 
-def one(mib: int, work: Path, stock: criu_install.Criu, uffd: tuple[str, ...]) -> dict[str, Any]:
+def one(mib: int, work: Path, stock: criu_install.Criu, uffd: tuple[str, ...],
+        verbosity: list[str]) -> dict[str, Any]:
     log = work / "target.log"
     proc = subprocess.Popen([sys.executable, str(TARGET), str(mib), str(log), "self"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
@@ -68,8 +69,8 @@ def one(mib: int, work: Path, stock: criu_install.Criu, uffd: tuple[str, ...]) -
             d = work / name
             d.mkdir()
             t0 = time.monotonic()
-            r = subprocess.run([*argv, *args, "-D", str(d), "-t", str(proc.pid), "-o", "criu.log"], env=env,
-                               capture_output=True, text=True, timeout=600, check=False)
+            r = subprocess.run([*argv, *args, "-D", str(d), "-t", str(proc.pid), "-o", "criu.log", *verbosity],
+                               env=env, capture_output=True, text=True, timeout=600, check=False)
             t1 = time.monotonic()
             if r.returncode:
                 raise SystemExit(f"criu {name} failed: {(d / 'criu.log').read_text()[-2000:]}")
@@ -101,6 +102,8 @@ def main() -> int:
     ap.add_argument("--mib", type=int, nargs="+", default=[1024])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", type=Path, help="where the images go (default: a new directory under /tmp)")
+    ap.add_argument("--verbosity", type=int, choices=range(5), default=None,
+                    help="CRIU's log level for every command (-vN; default CRIU's own, 2; the snapshot's is 4)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     uffd = criu_uffd.built()
@@ -114,7 +117,8 @@ def main() -> int:
             work = base / f"{mib}-{rep}"
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
-            runs.append({**one(mib, work, stock, uffd), "load": os.getloadavg()[0]})
+            verbosity = [] if a.verbosity is None else [f"-v{a.verbosity}"]
+            runs.append({**one(mib, work, stock, uffd, verbosity), "load": os.getloadavg()[0]})
             shutil.rmtree(work, ignore_errors=True)
     if a.json:
         print(json.dumps({"runs": runs, "cpus": os.cpu_count()}, indent=2))

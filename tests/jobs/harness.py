@@ -160,7 +160,7 @@ class Harness:
             except ProcessLookupError:
                 pass
         end = time.monotonic() + 10
-        while time.monotonic() < end and any(proctree.alive(p) for p in [st.agent_pid, *tree]):
+        while time.monotonic() < end and any(not _exited(p) for p in [st.agent_pid, *tree]):
             time.sleep(0.05)
         if spec.net:
             net_sandbox.release(spec.net, own_end=st.net_end)
@@ -168,6 +168,17 @@ class Harness:
     def ls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = self.cli_json("ls")
         return out
+
+
+def _exited(pid: int) -> bool:
+    """Every thread of ``pid`` has exited (its files closed, its locks let go). Not ``proctree.alive``: a killed
+    process's first thread is a zombie while its other threads still exit, holding its files (the agent's lock: a
+    look then saw the killed agent as alive)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return not proctree.alive(pid) and tasks == [str(pid)]
 
 
 def assert_identical(h: Harness, name: str, script: Path, args: list[str], ranks: list[int]) -> None:

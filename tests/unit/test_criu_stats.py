@@ -37,6 +37,18 @@ def test_a_real_stats_image_decodes() -> None:
     assert s["pages_written"] * 4096 < 983035934  # the pages are most of the image
 
 
+def test_a_dump_logged_at_info_takes_the_hooks_own_time(tmp_path: Path) -> None:
+    """A dump logged at info (``DUMP_VERBOSITY``) has no script lines: the post-dump hook's time is the one it wrote
+    itself; a damaged line of it is skipped, and no file means no times (a profile never fails a snapshot)."""
+    (tmp_path / criu_stats.STATS_FILE).write_bytes(REAL)
+    (tmp_path / "dump.log").write_text("(00.000001) CRIU run id = 0123abcd\n(00.120000) Dumping finished\n")
+    rec = criu_stats.read(tmp_path, 1.0)
+    assert rec is not None and rec.scripts_s == {}
+    (tmp_path / criu_stats.HOOK_TIMES).write_text("post-dump 0.021500\nbroken\npre-dump x\n")
+    rec = criu_stats.read(tmp_path, 1.0)
+    assert rec is not None and rec.scripts_s == {"post-dump": pytest.approx(0.0215)}
+
+
 def test_the_node_record_from_the_stats_and_the_log(tmp_path: Path) -> None:
     (tmp_path / criu_stats.STATS_FILE).write_bytes(REAL)
     (tmp_path / "dump.log").write_text(LOG)

@@ -27,11 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryosleep import paths
+from cryosleep.capture import criu_stats
 from cryosleep.capture.criu_install import Criu
 from cryosleep.core import oom, proctree
 from cryosleep.errors import CaptureFailed, NetError, RestoreFailed
 from cryosleep.net import host as net_host
 
+# CRIU's log level in a dump and a pre-dump: info (3), not debug (4). At debug CRIU writes lines per VMA and page
+# buffer while the job is frozen (megabytes of log): a quarter of a write-tracked dump's freeze at 1 GiB (median 72
+# ms at debug, 54 at info: docs/benchmarks.md). Errors, the run id (the network lock's name) are at info.
+DUMP_VERBOSITY = "-v3"
 RUN_ID_RE = re.compile(r"CRIU run id = ([0-9a-f-]+)")
 PR_SET_PDEATHSIG = 1
 # CRIU prints this on every run here; it is harmless (docs/facts.md).
@@ -242,8 +247,9 @@ def dump(criu: Criu, root_pid: int, node_dir: Path, *, leave: str, timeout: floa
     log = node_dir / "dump.log"
     script, env = hook_command(root_pid, node_dir / "files")
     env["CRYOSLEEP_HOOK_ERR"] = str(node_dir / "hook.err")
+    env["CRYOSLEEP_HOOK_TIMES"] = str(node_dir / criu_stats.HOOK_TIMES)
     cmd = criu.command(
-        "dump", "-t", str(root_pid), "-D", str(images), "-W", str(node_dir), "-o", "dump.log", "-v4",
+        "dump", "-t", str(root_pid), "-D", str(images), "-W", str(node_dir), "-o", "dump.log", DUMP_VERBOSITY,
         "--tcp-established", "--network-lock", "nftables", "--file-locks",
         # Deleted files held open (PyTorch shares DataLoader batches through unlinked /dev/shm files) are
         # copied into the image as CRIU "ghost" files, up to this size each.

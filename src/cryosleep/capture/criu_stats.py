@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cryosleep.store.manifest import CriuDump
 
-__all__ = ["STATS_FILE", "decode_dump_stats", "read", "script_times"]
+__all__ = ["HOOK_TIMES", "STATS_FILE", "decode_dump_stats", "hook_times", "read", "script_times"]
 
 STATS_FILE = "stats-dump"  # in CRIU's work directory (-W), the node's directory
 SERVICE_MAGIC = 0x55105940
@@ -33,6 +33,7 @@ STATS_MAGIC = 0x57093306
 _DUMP_FIELDS = {1: "freezing_time", 2: "frozen_time", 3: "memdump_time", 4: "memwrite_time",
                 5: "pages_scanned", 6: "pages_skipped_parent", 7: "pages_written", 9: "pages_lazy"}
 LOG_EDGE = 256 * 1024
+HOOK_TIMES = "hook.times"  # the post-dump hook's own time (``post-dump SECONDS``: capture/hook.py)
 _LOG_LINE = re.compile(rb"^\((\d+)\.(\d+)\) (.*)$")
 _SCRIPTS = re.compile(rb"^Running (\S+) scripts$")
 
@@ -89,7 +90,8 @@ def decode_dump_stats(data: bytes) -> dict[str, int]:
 def script_times(log: Path) -> dict[str, float]:
     """Seconds each action (``pre-dump``, ``post-dump``...) spent in CRIU's action scripts, from its log. CRIU
     runs them before the tree is seized and after its images are written: only the log's first and last
-    ``LOG_EDGE`` bytes are read (a dump's log at -v4 is megabytes, most of it its pages)."""
+    ``LOG_EDGE`` bytes are read (a dump's log at -v4 is megabytes, most of it its pages; at -v3, the level
+    the snapshot logs at, there are no script lines: ``hook_times``)."""
     out: dict[str, float] = {}
     try:
         with open(log, "rb") as f:
@@ -121,6 +123,23 @@ def script_times(log: Path) -> dict[str, float]:
     return out
 
 
+def hook_times(path: Path) -> dict[str, float]:
+    """The seconds the hook itself recorded per action (a dump logged at info, not debug, has no script lines:
+    capture/criu.py's ``DUMP_VERBOSITY``)."""
+    out: dict[str, float] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split()
+        try:
+            out[parts[0]] = round(float(parts[1]), 6)
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
 def read(node_dir: Path, run_s: float, held_s: float = 0.0, stopping_s: float = 0.0) -> CriuDump | None:
     """CRIU's breakdown of the dump into ``node_dir`` (None when CRIU left no readable stats image: a profile
     never fails a snapshot); ``run_s``, ``held_s``, ``stopping_s``: the dump's own times (capture.criu.DumpResult)."""
@@ -131,5 +150,6 @@ def read(node_dir: Path, run_s: float, held_s: float = 0.0, stopping_s: float = 
     return CriuDump(
         freezing_s=s["freezing_time"] / 1e6, frozen_s=s["frozen_time"] / 1e6, memdump_s=s["memdump_time"] / 1e6,
         memwrite_s=s["memwrite_time"] / 1e6, pages_scanned=s["pages_scanned"], pages_written=s["pages_written"],
-        scripts_s=script_times(node_dir / "dump.log"), run_s=round(run_s, 6), held_s=round(held_s, 6),
+        scripts_s=script_times(node_dir / "dump.log") or hook_times(node_dir / HOOK_TIMES), run_s=round(run_s, 6),
+        held_s=round(held_s, 6),
         stopping_s=round(stopping_s, 6))

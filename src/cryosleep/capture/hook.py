@@ -75,6 +75,18 @@ def serve(fifo: str, timeout: float) -> int:
 
 
 def post_dump() -> int:
+    started = time.monotonic()
+    rc = _post_dump()
+    times = os.environ.get("CRYOSLEEP_HOOK_TIMES")
+    if times:  # the agent's profile of the freeze (criu_stats.read); never fails the dump
+        try:
+            Path(times).write_text(f"post-dump {time.monotonic() - started:.6f}\n")
+        except OSError:
+            pass
+    return rc
+
+
+def _post_dump() -> int:
     root = int(os.environ["CRYOSLEEP_HOOK_ROOT_PID"])
     dest = Path(os.environ["CRYOSLEEP_HOOK_STAGE_DIR"])
     limit = int(os.environ.get("CRYOSLEEP_HOOK_COPY_LIMIT", files.DEFAULT_COPY_LIMIT))

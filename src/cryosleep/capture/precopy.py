@@ -108,8 +108,8 @@ def predump(criu: Criu, root_pid: int, node_dir: Path, timeout: float) -> Precop
     images = node_dir / PRECOPY_PARENT
     images.mkdir(parents=True, exist_ok=True)
     log = images / LOG
-    cmd = criu.command("pre-dump", "-t", str(root_pid), "-D", str(images), "-o", LOG, "-v4", "--track-mem",
-                       "--pre-dump-mode", "read")
+    cmd = criu.command("pre-dump", "-t", str(root_pid), "-D", str(images), "-o", LOG, criu_calls.DUMP_VERBOSITY,
+                       "--track-mem", "--pre-dump-mode", "read")
     tree = proctree.tree(root_pid)
     started = time.monotonic()
     with open(images / "criu.out", "wb") as out:
