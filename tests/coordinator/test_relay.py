@@ -332,7 +332,8 @@ def test_agents_behind_grouping_relays_snapshot_and_one_lost_mid_drain_fails_it(
     cfg = service.ServiceConfig(poll_wait_s=5.0, lost_after_s=1.0, rollback_s=15.0, redeliver_s=0.5)
     with serving(tmp_path, cfg) as env:
         relays = [relay.start(("127.0.0.1", 0), env.url, env.token) for _ in range(2)]
-        parts = [LoopAgents(f"{r.url},{env.url}", env.token, tmp_path / "store", job="grp", nnodes=4, nproc=2,
+        # the agent runner's own loop (SimCluster): its polls stop when the node dies (LoopAgents' do not)
+        parts = [SimCluster(f"{r.url},{env.url}", env.token, tmp_path / "store", job="grp", nnodes=4, nproc=2,
                             seed=3, only=only, wait_s=2.0) for r, only in zip(relays, (range(0, 2), range(2, 4)),
                                                                                 strict=True)]
         try:
@@ -341,7 +342,8 @@ def test_agents_behind_grouping_relays_snapshot_and_one_lost_mid_drain_fails_it(
             client = env.client()
             assert client.snapshot("grp", stop=False, timeout_s=30)["state"] == "verified"
             assert all(r.merged > 0 and r.rounds > 0 for r in relays)  # answers merged, commands sent once
-            parts[1].agents[1].node.faults = SimFaults(die="drain")  # node 3, behind the second relay
+            assert requests(env.srv, "poll") == 0  # every poll carried
+            parts[1].nodes[1].faults = SimFaults(die="drain")  # node 3, behind the second relay
             s = client.snapshot("grp", stop=False, timeout_s=30)
             assert s["state"] == "failed", s
             assert "node 3" in s["error"]["why"] and "lost" in s["error"]["why"], s["error"]
