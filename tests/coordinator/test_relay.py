@@ -343,6 +343,9 @@ def test_agents_behind_grouping_relays_snapshot_and_one_lost_mid_drain_fails_it(
             assert client.snapshot("grp", stop=False, timeout_s=30)["state"] == "verified"
             assert all(r.merged > 0 and r.rounds > 0 for r in relays)  # answers merged, commands sent once
             assert requests(env.srv, "poll") == 0  # every poll carried
+            m = env.coordinator.metrics  # and the coordinator counts what came merged and went in rounds
+            assert m.relay_results.labels("merged")._value.get() > 0
+            assert m.relay_commands.labels("round")._value.get() > 0
             parts[1].nodes[1].faults = SimFaults(die="drain")  # node 3, behind the second relay
             s = client.snapshot("grp", stop=False, timeout_s=30)
             assert s["state"] == "failed", s

@@ -283,6 +283,10 @@ class Api:
             polls.append((agent, inc, results))
             wait = min(wait, w)
         grouped = GROUP in (body.get("can") or ())
+        own = sum(len(r) for _, _, r in polls) + sum(len(e.get("results") or ()) for e in body["agents"]
+                                                      if e.get("poll") is False)
+        if own:
+            c.metrics.relay_results.labels("own").inc(own)
         if body.get("merged"):
             self._merged(body["merged"], verified)
         wake = self.server.wakeup()
@@ -326,8 +330,14 @@ class Api:
             conn.waiting = None
             c.hub.batch_close(held.values(), wake)
             c.metrics.relay_batch(name, len(held), -1)
-        for a in [a for a, v in answers.items() if v is ROUND]:
+        in_rounds = [a for a, v in answers.items() if v is ROUND]
+        for a in in_rounds:
             del answers[a]
+        if in_rounds:
+            c.metrics.relay_commands.labels("round").inc(len(in_rounds))
+        own = sum(len(v["body"].get("commands") or ()) for v in answers.values() if v["status"] == 200)
+        if own:
+            c.metrics.relay_commands.labels("own").inc(own)
         doc: dict[str, Any] = {"answers": answers, "can": [GROUP]}
         if out_rounds:
             doc["rounds"] = out_rounds
@@ -351,7 +361,9 @@ class Api:
                 why = e.why if isinstance(e, CryosleepError) else str(e)
                 c.log(f"a relay's merged answer to {str(m.get('id'))[:100]} was refused: {why}")
                 continue
-            if not ok:
+            if ok:
+                c.metrics.relay_results.labels("merged").inc(len(agents))
+            else:
                 c.log(f"a relay's merged answer to {res.id} for {len(agents)} agent(s) was not taken: one of them "
                       "is not the registered incarnation or had answered already (they get the command again)")
 
