@@ -360,10 +360,12 @@ class Api:
             except (CryosleepError, ValueError, TypeError) as e:
                 why = e.why if isinstance(e, CryosleepError) else str(e)
                 c.log(f"a relay's merged answer to {str(m.get('id'))[:100]} was refused: {why}")
+                c.metrics.relay_results.labels("refused").inc(len(m.get("agents") or ()))
                 continue
             if ok:
                 c.metrics.relay_results.labels("merged").inc(len(agents))
             else:
+                c.metrics.relay_results.labels("refused").inc(len(agents))
                 c.log(f"a relay's merged answer to {res.id} for {len(agents)} agent(s) was not taken: one of them "
                       "is not the registered incarnation or had answered already (they get the command again)")
 
