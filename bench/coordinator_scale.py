@@ -110,6 +110,8 @@ def scrape(url: str, token: str) -> dict[str, float] | None:
                 out[f"cpu:{s.labels['phase']}"] = s.value
             elif s.name in ("cryosleep_coordinator_polls_open", "cryosleep_coordinator_agents_alive"):
                 out[s.name.rsplit("_", 2)[1]] = s.value
+            elif s.name in ("cryosleep_coordinator_relay_results_total", "cryosleep_coordinator_relay_commands_total"):
+                out[f"{s.name.split('_')[3]}:{s.labels['how']}"] = s.value
             elif s.name == "cryosleep_coordinator_requests_total":
                 k = f"req:{s.labels['route']}"
                 out[k] = out.get(k, 0.0) + s.value
@@ -285,6 +287,8 @@ def main() -> int:
                 run["phase_cpu"] = {k[4:]: round(v - m0.get(k, 0.0), 4) for k, v in m1.items() if k.startswith("cpu:")}
                 run["requests"] = {k[4:]: int(v - m0.get(k, 0.0)) for k, v in m1.items()
                                    if k.startswith("req:") and v - m0.get(k, 0.0) >= 1 and k != "req:metrics"}
+                run["carried"] = {k: int(v - m0.get(k, 0.0)) for k, v in m1.items()
+                                  if k.split(":")[0] in ("results", "commands") and v - m0.get(k, 0.0) >= 1}
                 run["requests_rounds"] = int(sum(v - m0.get(k, 0.0) for k, v in m1.items() if k.startswith("count:")))
                 dn = m1.get("count:run", 0.0) - m0.get("count:run", 0.0)
                 if dn:
@@ -338,6 +342,8 @@ def main() -> int:
               f"agents {r['agents_cpu_s']:.3f}; relays {r['relays_cpu_s']:.3f})")
         if r.get("requests"):
             print("     coordinator requests  " + ", ".join(f"{k} {v}" for k, v in sorted(r["requests"].items())))
+        if r.get("carried"):
+            print("     through relays        " + ", ".join(f"{k} {v}" for k, v in sorted(r["carried"].items())))
         if "phase_cpu" in r:
             pc = r["phase_cpu"]
             print("     coordinator CPU       " + "  ".join(f"{pc.get(p, 0.0):8.3f}" for p in PHASES))

@@ -5,6 +5,7 @@ their relay dies in the middle of a round, and go back to it once it is there ag
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,14 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from cryosleep.coordinator import relay, security, service
+from cryosleep.coordinator import group, relay, security, service
 from cryosleep.coordinator.client import CoordinatorClient, Failover, Http
-from cryosleep.coordinator.protocol import Op
+from cryosleep.coordinator.protocol import Op, Result, drain_answer, summary_to_json
+from cryosleep.cut.summary import decide_nodes, summarize
+from cryosleep.cut.views import RankView
 from cryosleep.errors import Forbidden, ProtocolError, UsageError
 from tests.coordinator.helpers import FAST, listening, serving, wait_for
 from tests.coordinator.sim import SimCluster, SimFaults
 from tests.coordinator.simloop import LoopAgents
+from tests.unit.test_cut_summary import _same, _split, job
 
 ADMIN, RELAY, BOOT = (f"{n}-{'x' * 20}" for n in ("admin", "relay-1", "boot"))
 
@@ -54,7 +60,7 @@ def test_the_batched_poll_carries_only_polls_whose_agents_credentials_it_carries
     with scoped(tmp_path) as srv:
         a0, c0 = register(srv.url, 0)
         a1, c1 = register(srv.url, 1)
-        assert batch(srv.url, RELAY, [{"agent": a0, "credential": c0, "incarnation": "inc0"}]) == {"answers": {}}
+        assert batch(srv.url, RELAY, [{"agent": a0, "credential": c0, "incarnation": "inc0"}])["answers"] == {}
         srv.coordinator.hub.send(a0, "cmd-1", "snap", "rj", Op.RUN, {}, time.monotonic() + 30)
         got = batch(srv.url, RELAY, [{"agent": a0, "credential": c0, "incarnation": "inc0"},
                                      {"agent": a1, "credential": c1, "incarnation": "inc1"}], wait_s=5)
@@ -70,7 +76,7 @@ def test_the_batched_poll_carries_only_polls_whose_agents_credentials_it_carries
         res2 = {**res, "id": "cmd-2"}
         got = batch(srv.url, RELAY, [{"agent": a1, "credential": c1, "incarnation": "inc1", "results": [res2],
                                       "poll": False}], wait_s=5)
-        assert got == {"answers": {a1: {"status": 200, "body": {"accepted": 1}}}}
+        assert got["answers"] == {a1: {"status": 200, "body": {"accepted": 1}}}
         assert srv.coordinator.hub.result(a1, "cmd-2") is not None
         # another agent's credential, a made-up one, none: that agent's poll refused, the others' carried
         got = batch(srv.url, RELAY, [{"agent": a1, "credential": c0, "incarnation": "inc1"},
@@ -242,3 +248,110 @@ def test_an_agent_gone_behind_a_relay_is_lost_as_soon_as_without_one(tmp_path: P
         finally:
             cluster.close()
             r.stop()
+
+
+# ---- a relay's group as one answer, one command (coordinator/group.py) --------------------------------------
+
+@given(job(), st.integers(0, 2**32))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_merged_summaries_give_the_cut_of_the_nodes_own(case: Any, seed: int) -> None:
+    """Nodes' drain answers merged by relays (any grouping, some agents on their own) and read back by the
+    coordinator decide the same as the nodes' own summaries."""
+    views, floor = case
+    rng = random.Random(seed)
+    nodes = _split(views, rng)
+    answers = {n: {"id": "s.2.hold", "snapshot": "s", "op": "hold", "ok": True, "seconds": 0.1,
+                   "data": drain_answer(vs, True)} for n, vs in enumerate(nodes)}
+    ranks = {n: [v.rank for v in vs] for n, vs in enumerate(nodes)}
+    ok: dict[int, Any] = {}
+    order = list(answers)
+    rng.shuffle(order)
+    while order:  # relays of random sizes
+        k = rng.randint(1, len(order))
+        part, order = order[:k], order[k:]
+        merged, rest = group.merge([(str(n), answers[n]) for n in part])
+        for m in merged:
+            data = Result.from_json({**m, "seconds": 0.0}).data
+            ok.update({int(a): data for a in m["agents"]})
+        ok.update({int(a): rs[0]["data"] for a, rs in rest.items()})
+    assert set(ok) == set(answers)
+    sums = group.summaries(ok, ranks)
+    got = decide_nodes(0.0, 1.0, list({id(s): s for s in sums.values()}.values()), floor)
+    want = decide_nodes(0.0, 1.0, [summarize(vs) for vs in nodes], floor)
+    _same(got, want)
+    assert got.unsettled == want.unsettled and got.reason == want.reason
+
+
+def test_a_merged_answer_that_names_ranks_of_other_nodes_is_refused() -> None:
+    views = [RankView(rank=r, comms=()) for r in range(4)]
+    data = {"summary": summary_to_json(summarize(views))}  # the ranks of nodes 0-3, said to be nodes 0 and 1's
+    with pytest.raises(ProtocolError, match=r"counts 4 rank\(s\) of their 2"):
+        group.summaries({0: data, 1: data}, {0: [0], 1: [1], 2: [2], 3: [3]})
+    group.summaries({0: data, 1: data}, {0: [0, 1], 1: [2, 3]})  # theirs: taken
+
+
+def test_a_relay_merges_and_takes_rounds_only_from_a_coordinator_that_can(tmp_path: Path) -> None:
+    """Negotiated: a merged answer carried only to a coordinator that said ``can: [group]``; and an old relay
+    (no ``can``) gets every agent's commands one by one, as before."""
+    with scoped(tmp_path) as srv:
+        a0, c0 = register(srv.url, 0)
+        a1, c1 = register(srv.url, 1)
+        hub = srv.coordinator.hub
+        carried = [{"agent": a0, "credential": c0, "incarnation": "inc0"},
+                   {"agent": a1, "credential": c1, "incarnation": "inc1"}]
+        hub.send_round("c1", "snap", "rj", Op.RUN, {a0: {}, a1: {}}, time.monotonic() + 30)
+        got = batch(srv.url, RELAY, carried, wait_s=5)  # an old relay: one command per agent
+        assert "rounds" not in got and sorted(got["answers"]) == sorted([a0, a1])
+        assert got["can"] == ["group"]
+        args: dict[str, Any] = {}
+        hub.send_round("c2", "snap", "rj", Op.RUN, dict.fromkeys((a0, a1), args), time.monotonic() + 30)
+        got = Http(srv.url, RELAY).call("POST", "/v1/relays/poll", {"wait_s": 5, "agents": carried,
+                                                                    "can": ["group"]})
+        assert got["answers"] == {} and [r["agents"] for r in got["rounds"]] == [[a0, a1]]
+        assert got["rounds"][0]["command"]["id"] == "c2"
+        # the merged answer: for both at once; one naming an agent it does not carry is refused
+        m = {"id": "c2", "snapshot": "snap", "op": "run", "ok": True, "data": {}, "agents": [a0, a1],
+             "seconds": [0.1, 0.2]}
+        Http(srv.url, RELAY).call("POST", "/v1/relays/poll", {"wait_s": 0, "agents": carried[:1], "merged": [m]})
+        assert hub.result(a0, "c2") is None and hub.result(a1, "c2") is None
+        Http(srv.url, RELAY).call("POST", "/v1/relays/poll", {"wait_s": 0, "agents": carried, "merged": [m]})
+        assert hub.result(a0, "c2") is not None and hub.result(a1, "c2").seconds == 0.2  # type: ignore[union-attr]
+    # the relay: nothing merged before the coordinator said it can
+    r = relay.Relay(("127.0.0.1", 0), "http://127.0.0.1:9", RELAY)
+    try:
+        res = {"id": "x", "snapshot": "s", "op": "run", "ok": True, "data": {}}
+        assert r._merge([("a", res), ("b", res)]) == ([], {"a": [res], "b": [res]})
+        r.grouping = True
+        merged, rest = r._merge([("a", res), ("b", res)])
+        assert [m["agents"] for m in merged] == [["a", "b"]] and rest == {}
+    finally:
+        r.stop()
+
+
+def test_agents_behind_grouping_relays_snapshot_and_one_lost_mid_drain_fails_it(tmp_path: Path) -> None:
+    cfg = service.ServiceConfig(poll_wait_s=5.0, lost_after_s=1.0, rollback_s=15.0, redeliver_s=0.5)
+    with serving(tmp_path, cfg) as env:
+        relays = [relay.start(("127.0.0.1", 0), env.url, env.token) for _ in range(2)]
+        # the agent runner's own loop (SimCluster): its polls stop when the node dies (LoopAgents' do not)
+        parts = [SimCluster(f"{r.url},{env.url}", env.token, tmp_path / "store", job="grp", nnodes=4, nproc=2,
+                            seed=3, only=only, wait_s=2.0) for r, only in zip(relays, (range(0, 2), range(2, 4)),
+                                                                                strict=True)]
+        try:
+            for p in parts:
+                p.start(timeout=30)
+            client = env.client()
+            assert client.snapshot("grp", stop=False, timeout_s=30)["state"] == "verified"
+            assert all(r.merged > 0 and r.rounds > 0 for r in relays)  # answers merged, commands sent once
+            assert requests(env.srv, "poll") == 0  # every poll carried
+            m = env.coordinator.metrics  # and the coordinator counts what came merged and went in rounds
+            assert m.relay_results.labels("merged")._value.get() > 0
+            assert m.relay_commands.labels("round")._value.get() > 0
+            parts[1].nodes[1].faults = SimFaults(die="drain")  # node 3, behind the second relay
+            s = client.snapshot("grp", stop=False, timeout_s=30)
+            assert s["state"] == "failed", s
+            assert "node 3" in s["error"]["why"] and "lost" in s["error"]["why"], s["error"]
+        finally:
+            for p in parts:
+                p.close()
+            for r in relays:
+                r.stop()

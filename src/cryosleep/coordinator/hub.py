@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cryosleep.coordinator.protocol import Command, Op, Result
@@ -183,16 +183,20 @@ class Hub:
         was replaced, False when it should go on waiting (until woken, or ``redeliver_s`` at most)."""
         with self.lock:
             now = time.monotonic()
-            a.last_seen = now
-            self.seen_wall[a.agent_id] = time.time()
-            if a.replaced or self.closed or a.left is not None:
-                return None if a.replaced else []
-            due = [p for p in a.outbox.values() if p.delivered is None or now - p.delivered >= self.redeliver_s]
-            if not due:
-                return False
-            for p in due:
-                p.delivered = now
-            return [p.command(now) for p in due]
+            got = self._due(a, now)
+            return [p.command(now) for p in got] if isinstance(got, list) else got
+
+    def _due(self, a: AgentLine, now: float) -> list[Pending] | bool | None:
+        a.last_seen = now
+        self.seen_wall[a.agent_id] = time.time()
+        if a.replaced or self.closed or a.left is not None:
+            return None if a.replaced else []
+        due = [p for p in a.outbox.values() if p.delivered is None or now - p.delivered >= self.redeliver_s]
+        if not due:
+            return False
+        for p in due:
+            p.delivered = now
+        return due
 
     def poll_close(self, a: AgentLine, waker: Callable[[], None]) -> None:
         with self.lock:
@@ -222,6 +226,56 @@ class Hub:
                 if got is not False:
                     out[agent] = got if isinstance(got, list) else None
             return out
+
+    def batch_rounds(self, lines: Mapping[str, AgentLine]) -> tuple[dict[str, list[Command] | None],
+                                                                    list[tuple[Command, list[str]]]]:
+        """``batch_due`` for a relay that takes a command once for several of its agents (coordinator/group.py):
+        an agent whose only due command is one of a round, with the same arguments (the same object: the
+        machine gives one to every node alike) as other carried agents', goes in that command's round (the
+        command once, and the agents it is for); the others are answered one by one, as ``batch_due``."""
+        with self.lock:
+            now = time.monotonic()
+            out: dict[str, list[Command] | None] = {}
+            shared: dict[tuple[str, int], list[tuple[str, Pending]]] = {}
+            for agent, a in lines.items():
+                got = self._due(a, now)
+                if got is False:
+                    continue
+                if isinstance(got, list) and len(got) == 1:
+                    shared.setdefault((got[0].id, id(got[0].args)), []).append((agent, got[0]))
+                else:
+                    out[agent] = [p.command(now) for p in got] if isinstance(got, list) else None
+            rounds: list[tuple[Command, list[str]]] = []
+            for group in shared.values():
+                if len(group) == 1:
+                    out[group[0][0]] = [group[0][1].command(now)]
+                else:
+                    rounds.append((group[0][1].command(now), [agent for agent, _ in group]))
+            return out, rounds
+
+    def put_merged(self, res: Result, agents: Sequence[tuple[str, str, float]]) -> bool:
+        """A relay's merged answer (coordinator/group.py) to command ``res.id`` for (agent, incarnation, its
+        seconds): recorded for every agent, sharing ``res.data``, or for none when one of them is not the
+        registered incarnation or no longer waits for it (a repeat, or it answered on its own meanwhile: its
+        answer would be counted twice; the others get the command again and answer again)."""
+        with self.lock:
+            lines = [self.lines.get(agent) for agent, _, _ in agents]
+            if len({agent for agent, _, _ in agents}) != len(agents) or not all(
+                    a is not None and a.incarnation == inc and res.id in a.outbox
+                    for a, (_, inc, _) in zip(lines, agents, strict=True)):
+                return False
+            got = self.arrivals.setdefault(res.id, [])
+            now = time.monotonic()
+            for a, (agent, _, seconds) in zip(lines, agents, strict=True):
+                assert a is not None
+                a.last_seen = now
+                del a.outbox[res.id]
+                one = replace(res, seconds=seconds)
+                self.results[(agent, res.id)] = one
+                got.append((agent, one))
+            if len(got) >= self.expected.get(res.id, 0):
+                self.results_cond.notify_all()
+            return True
 
     def batch_close(self, lines: Iterable[AgentLine], waker: Callable[[], None]) -> None:
         with self.lock:

@@ -79,6 +79,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from cryosleep.coordinator.catalog import Catalog
+from cryosleep.coordinator.group import summaries
 from cryosleep.coordinator.hub import Hub
 from cryosleep.coordinator.metrics import CoordinatorMetrics
 from cryosleep.coordinator.protocol import (
@@ -104,7 +105,6 @@ from cryosleep.coordinator.protocol import (
     ResumeArgs,
     ResumeData,
     TargetsArgs,
-    drain_summary,
     targets_for,
     targets_to_json,
 )
@@ -225,6 +225,7 @@ class SnapshotSequence:
         self.holds_net = True  # some node has a job network to hold while dumping (its prepare answer says)
         self.net_in_capture = False  # every node holds it in capture, releases it in resume (NET_IN_CAPTURE)
         self.release_net = False  # the capture held the network: the resume releases it
+        self.node_ranks: dict[int, list[int]] = {}  # the job ranks of each node (its prepare answer)
         self.finished = threading.Event()  # set once the run is over and no longer the job's active one
 
     # ---- talking to every node ------------------------------------------------------------------------------
@@ -275,6 +276,7 @@ class SnapshotSequence:
             args["precopy"] = False
         out: Outcome[PrepareData] = self.gather(Op.PREPARE, args, self.deadline)
         self.gen = max([int(d["gen"]) for d in out.ok.values()] + [0])
+        self.node_ranks = {n: [int(r) for r in d.get("ranks") or ()] for n, d in out.ok.items()}
         self.holds_net = any(bool(d.get("net", True)) for d in out.ok.values())  # an older agent: assume it has
         # only if every node can: an agent of before would ignore hold_net, and dump with its network up
         self.net_in_capture = all(NET_IN_CAPTURE in (d.get("can") or ()) for d in out.ok.values())
@@ -284,22 +286,28 @@ class SnapshotSequence:
         hold_s = max(0.0, self.deadline - time.monotonic()) + HOLD_GRACE_S
         out: Outcome[DrainData] = self.gather(Op.HOLD, HoldArgs(gen=gen, hold_s=hold_s, summary=True),
                                               self.deadline)
-        sums = {n: drain_summary(d) for n, d in out.ok.items()}
+        sums = summaries(out.ok, self.node_ranks)
 
         def ask(round_: int, targets: Targets | None) -> NodeSummary:
-            """One round on every node: its share of the targets written, or a short wait; their summaries."""
+            """One round on every node: its share of the targets written, or a short wait; their summaries (a
+            relay's group's merged in one: its nodes get one targets argument, sent once to the relay)."""
             self.rounds = round_
             if targets is not None:
-                per_node = {n: TargetsArgs(round=round_, summary=True, targets=targets_to_json(
-                    targets_for(targets, set(sums[n].comms)))) for n in self.nodes}
+                share: dict[int, TargetsArgs] = {}
+                for n in self.nodes:
+                    if id(sums[n]) not in share:
+                        share[id(sums[n])] = TargetsArgs(round=round_, summary=True, targets=targets_to_json(
+                            targets_for(targets, set(sums[n].comms))))
+                per_node = {n: share[id(sums[n])] for n in self.nodes}
                 got: Outcome[DrainData] = self.gather(Op.TARGETS, per_node.__getitem__, self.deadline)
             else:
                 got = self.gather(Op.REPORT, ReportArgs(round=round_, wait_s=self.cfg.report_wait_s, summary=True),
                                   self.deadline)
-            sums.update({n: drain_summary(d) for n, d in got.ok.items()})
-            return combine(sums[n] for n in self.nodes)
+            sums.update(summaries(got.ok, self.node_ranks))
+            return combine({id(s): s for s in (sums[n] for n in self.nodes)}.values())
 
-        d, _ = drain_cut(combine(sums[n] for n in self.nodes), ask, self.deadline, time.monotonic)
+        d, _ = drain_cut(combine({id(s): s for s in (sums[n] for n in self.nodes)}.values()), ask, self.deadline,
+                         time.monotonic)
         self.cut = d
         if d.action is Action.GIVE_UP:
             raise CaptureFailed(f"the ranks of job {self.job!r} did not reach a consistent NCCL cut", d.reason,
@@ -346,7 +354,12 @@ class SnapshotSequence:
             raise CaptureFailed("the NCCL communicators could not be rebuilt across nodes",
                                 "no node published a fresh id for communicator(s) " + ", ".join(missing),
                                 "the member of rank 0 of each communicator must be on a node of this job")
-        self.gather(Op.RELAY, lambda n: RelayArgs(gen=gen, uids={i: uids[i] for i in need[n]}), deadline)
+        share: dict[int, RelayArgs] = {}  # a relay's group answered with one need list: one argument for it
+        for n in need:
+            if id(out.ok[n]["need"]) not in share:
+                share[id(out.ok[n]["need"])] = RelayArgs(gen=gen, uids={i: uids[i] for i in need[n]})
+        args_of = {n: share[id(out.ok[n]["need"])] for n in need}
+        self.gather(Op.RELAY, args_of.__getitem__, deadline)
         self.gather(Op.RUN, GenArgs(gen=self.next_gen()), deadline)
 
     def resume(self) -> None:

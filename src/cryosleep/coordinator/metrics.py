@@ -15,6 +15,8 @@ Each ``Coordinator`` has its own registry (a process may run several: the tests 
     cryosleep_coordinator_errors_total{kind}             counter   requests answered with an error, by kind
     cryosleep_coordinator_relays_connected               gauge     relays with a batched poll open now
     cryosleep_coordinator_relay_agents{relay}            gauge     agents a relay's open batched polls carry
+    cryosleep_coordinator_relay_results_total{how}       counter   relays' carried results: merged, own, refused
+    cryosleep_coordinator_relay_commands_total{how}      counter   agents' commands sent to relays: round, own
 
 The CPU counter is the whole process's (every HTTP thread included) while the phase ran: with one snapshot at a
 time it is what that phase cost the coordinator, and the benchmark reads it to report the coordinator's own CPU.
@@ -62,6 +64,11 @@ class CoordinatorMetrics:
                                   registry=r)
         self.relays_connected = Gauge(p + "relays_connected", "Relays with a batched poll open", registry=r)
         self._relays: dict[str, list[int]] = {}  # relay -> [batches open, agents they carry]
+        self.relay_results = Counter(p + "relay_results", "Agents' results carried by relays: in a merged answer "
+                                     "(one for its group, coordinator/group.py), each its own, or in a merged answer "
+                                     "refused", ["how"], registry=r)
+        self.relay_commands = Counter(p + "relay_commands", "Agents' commands answered to relays: in a round (one "
+                                      "command for several agents) or each its own", ["how"], registry=r)
         self.relays_connected.set_function(lambda: float(sum(1 for b, _ in self._relays.values() if b > 0)))
 
     def relay_batch(self, relay: str, agents: int, delta: int) -> None:

@@ -37,6 +37,7 @@ from urllib.parse import unquote, urlsplit
 
 from cryosleep.coordinator import httpserver
 from cryosleep.coordinator.client import Http
+from cryosleep.coordinator.group import GROUP, expand, merge
 from cryosleep.errors import CryosleepError, Unreachable, UsageError
 
 __all__ = ["Relay", "start"]
@@ -101,6 +102,10 @@ class Relay:
         self.free: list[Http] = []  # upstream connections not in use (each used by one thread at a time)
         self.lock = threading.Lock()
         self.batches = 0  # batched polls sent (tests, the benchmark)
+        self.grouping = False  # the coordinator takes merged answers and sends rounds (coordinator/group.py)
+        self.comms: dict[str, set[str]] = {}  # agent -> the communicators of its last drain summary (hex)
+        self.merged = 0  # agents' results carried merged (tests)
+        self.rounds = 0  # commands received once for several agents (tests)
         self.thread: threading.Thread | None = None
 
     @property
@@ -186,19 +191,40 @@ class Relay:
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 
-    async def _batch(self, wait: float, entries: list[dict[str, Any]],
-                     slot: list[Http] | None = None) -> tuple[dict[str, Any], bytes | None]:
-        """One ``POST /v1/relays/poll``: the coordinator's answers per agent, or what to answer every agent of the
-        batch when it failed (502 ``unreachable``: the agent tries the coordinator directly)."""
+    def _merge(self, results: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+        """The results to carry as merged ones and, per agent, the rest (coordinator/group.py): merged only for
+        a coordinator that said it takes them."""
+        if not self.grouping:
+            rest: dict[str, list[Any]] = {}
+            for agent, r in results:
+                rest.setdefault(agent, []).append(r)
+            return [], rest
+        return merge(results, self.comms)
+
+    async def _batch(self, wait: float, entries: list[dict[str, Any]], slot: list[Http] | None = None,
+                     merged: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], bytes | None]:
+        """One ``POST /v1/relays/poll``: the coordinator's answers per agent (a command sent once for several of
+        them handed out to each: ``rounds``), or what to answer every agent of the batch when it failed (502
+        ``unreachable``: the agent tries the coordinator directly)."""
         self.batches += 1
-        data = json.dumps({"wait_s": wait, "relay": self.url, "agents": entries}).encode()
+        body: dict[str, Any] = {"wait_s": wait, "relay": self.url, "can": [GROUP], "agents": entries}
+        if merged:
+            body["merged"] = merged
+            self.merged += sum(len(m["agents"]) for m in merged)
+        data = json.dumps(body).encode()
         try:
             status, raw = await self.server.run_blocking(self._upstream, "POST", "/v1/relays/poll", data,
                                                          f"Bearer {self.token}", wait + 30, slot)
             doc = json.loads(raw) if raw else {}
             if status != 200:
                 raise CryosleepError(str(doc.get("what", f"HTTP {status}")), str(doc.get("why", "")), "")
-            return dict(doc.get("answers") or {}), None
+            self.grouping = GROUP in (doc.get("can") or ())
+            answers = dict(doc.get("answers") or {})
+            for r in doc.get("rounds") or ():
+                self.rounds += 1
+                for agent in r["agents"]:
+                    answers[agent] = {"status": 200, "body": {"commands": [expand(r["command"], agent, self.comms)]}}
+            return answers, None
         except (CryosleepError, ValueError, RuntimeError) as e:  # RuntimeError: the relay is stopping
             what = e.what if isinstance(e, CryosleepError) else f"{type(e).__name__}: {e}"
             why = e.why if isinstance(e, CryosleepError) else ""
@@ -211,9 +237,10 @@ class Relay:
     async def _carry_posts(self, posts: dict[str, Posted]) -> None:
         """The results posted since the last batch, in one batch answered at once (entries with ``poll: false``);
         each post answered as the coordinator answered its agent's results."""
-        entries = [{"agent": a, "credential": p.credential, "incarnation": p.incarnation, "results": p.results,
-                    "poll": False} for a, p in posts.items()]
-        answers, failed = await self._batch(0.0, entries)
+        merged, rest = self._merge([(a, r) for a, p in posts.items() for r in p.results])
+        entries = [{"agent": a, "credential": p.credential, "incarnation": p.incarnation,
+                    "results": rest.get(a, []), "poll": False} for a, p in posts.items()]
+        answers, failed = await self._batch(0.0, entries, merged=merged)
         for agent, p in posts.items():
             a = answers.get(agent)
             for fut in p.futs:
@@ -227,11 +254,12 @@ class Relay:
         now = time.monotonic()
         wait = max(0.0, min(h.deadline for h in chunk) - now - MARGIN_S)
         entries = []
+        merged, rest = self._merge([(h.agent, r) for h in chunk for r in h.results])
         for h in chunk:
             entries.append({"agent": h.agent, "credential": h.credential, "incarnation": h.incarnation,
-                            "results": h.results})
+                            "results": rest.get(h.agent, [])})
             h.results = []  # an agent whose poll fails sends them again with its next one
-        answers, failed = await self._batch(wait, entries, slot)
+        answers, failed = await self._batch(wait, entries, slot, merged)
         now = time.monotonic()
         for h in chunk:
             h.in_batch, h.slot = False, None

@@ -343,7 +343,7 @@ BODY_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
                  "hostname": (str,), "address": (str,), "facts": (dict,), "spec": (dict,)},
     "poll": {"incarnation": (str,), "wait_s": _NUM, "results": (list,)},
     "results": {"incarnation": (str,), "results": (list,)},
-    "relay_poll": {"wait_s": _NUM, "agents": (list,), "relay": (str,)},
+    "relay_poll": {"wait_s": _NUM, "agents": (list,), "relay": (str,), "can": (list,), "merged": (list,)},
     "trigger": {"mode": (str,), "timeout_s": _NUM, "request_id": (str,), "wait": (bool,), "precopy": (bool,)},
     "rendezvous": {"put": (dict,), "get": (dict,)},
     "place": {"hosts": (list,), "timeout_s": _NUM},
@@ -407,6 +407,10 @@ def check_body(route: str, body: Any, query: Mapping[str, list[str]] | None = No
     if route in ("poll", "results") and not all(isinstance(r, dict) for r in body.get("results") or ()):
         raise UsageError("the request's results are malformed", "expected a list of objects", "")
     if route == "relay_poll":
+        for i, m in enumerate(body.get("merged") or ()):
+            if not isinstance(m, dict) or not isinstance(m.get("agents"), list):
+                raise UsageError(f"the request's merged[{i}] is malformed", "expected {id, snapshot, op, ok, data, "
+                                 "agents, seconds}", "see docs/coordinator.md, \"Relays\"")
         for i, e in enumerate(body["agents"]):
             if not isinstance(e, dict) or not isinstance(e.get("agent"), str):
                 raise UsageError(f"the request's agents[{i}] is malformed", "expected {agent, credential, "

@@ -57,6 +57,7 @@ from urllib.parse import parse_qs, urlsplit
 from cryosleep.coordinator import httpserver, security
 from cryosleep.coordinator.catalog import Catalog
 from cryosleep.coordinator.core import Coordinator, ServiceConfig
+from cryosleep.coordinator.group import GROUP
 from cryosleep.coordinator.metrics import CONTENT_TYPE_LATEST
 from cryosleep.coordinator.protocol import PROTOCOL_VERSION, Result
 from cryosleep.coordinator.shared import Lease
@@ -67,6 +68,7 @@ __all__ = ["Coordinator", "Server", "ServiceConfig", "parse_listen", "read_token
 GATHER_S = 0.002
 """A relay's batch, woken by one of its agents' commands, waits this long for the rest of the round's (2 ms: the
 commands of one round are queued under one lock acquisition, so they are nearly always all there at once)."""
+ROUND: dict[str, Any] = {}  # an agent answered by a round (``group``), not in ``answers``
 LEASE_TTL_S = 10.0  # a standby takes over at most this long after the active coordinator died
 
 
@@ -258,6 +260,8 @@ class Api:
         their own)."""
         c = self.server.coordinator
         answers: dict[str, dict[str, Any]] = {}
+        out_rounds: list[dict[str, Any]] = []
+        verified: dict[str, str] = {}  # agent -> incarnation: the carried agents whose credentials were verified
         polls: list[tuple[str, str, list[Result]]] = []
         wait = c.cfg.poll_wait_s
         for e in body["agents"]:
@@ -268,6 +272,7 @@ class Api:
                                 "the relay must pass each agent's own credential (docs/security.md)")
                 answers[agent] = {"status": 403, "body": err.to_json()}
                 continue
+            verified[agent] = str(e.get("incarnation", ""))
             if e.get("poll") is False:  # results posted on their own, carried: recorded, answered at once
                 try:
                     answers[agent] = {"status": 200, "body": c.results(agent, e)}
@@ -277,6 +282,13 @@ class Api:
             inc, results, w = c.poll_args({"wait_s": body.get("wait_s", wait), **e})
             polls.append((agent, inc, results))
             wait = min(wait, w)
+        grouped = GROUP in (body.get("can") or ())
+        own = sum(len(r) for _, _, r in polls) + sum(len(e.get("results") or ()) for e in body["agents"]
+                                                      if e.get("poll") is False)
+        if own:
+            c.metrics.relay_results.labels("own").inc(own)
+        if body.get("merged"):
+            self._merged(body["merged"], verified)
         wake = self.server.wakeup()
         lines = c.hub.batch_open(polls, wake)
         held = {a: line for a, line in lines.items() if line is not None}
@@ -291,11 +303,21 @@ class Api:
         try:
             end = time.monotonic() + wait
             while held and not answers:
-                due = c.hub.batch_due(held)
-                if due:
-                    if len(due) < len(held):  # the round's other commands may be a moment behind: gather them
-                        await asyncio.sleep(GATHER_S)
-                        due.update(c.hub.batch_due({a: line for a, line in held.items() if a not in due}))
+                due, rounds = c.hub.batch_rounds(held) if grouped else (c.hub.batch_due(held), [])
+                if due or rounds:
+                    if len(due) + sum(len(r[1]) for r in rounds) < len(held):  # the round's other commands may be
+                        await asyncio.sleep(GATHER_S)  # a moment behind: gather them
+                        rest = {a: line for a, line in held.items() if a not in due}
+                        for _, agents in rounds:
+                            for a in agents:
+                                rest.pop(a, None)
+                        more, rounds2 = c.hub.batch_rounds(rest) if grouped else (c.hub.batch_due(rest), [])
+                        due.update(more)
+                        rounds += rounds2
+                    for cmd, agents in rounds:  # one command for several agents: the relay hands out the copies
+                        out_rounds.append({"command": cmd.to_json(), "agents": agents})
+                        for a in agents:
+                            answers[a] = ROUND
                     for a, cmds in due.items():
                         answers[a] = {"status": 404, "body": c.unknown_agent(a).to_json()} if cmds is None else \
                             {"status": 200, "body": {"commands": [cmd.to_json() for cmd in cmds]}}
@@ -308,7 +330,44 @@ class Api:
             conn.waiting = None
             c.hub.batch_close(held.values(), wake)
             c.metrics.relay_batch(name, len(held), -1)
-        return self._ok(adm, body, {"answers": answers})
+        in_rounds = [a for a, v in answers.items() if v is ROUND]
+        for a in in_rounds:
+            del answers[a]
+        if in_rounds:
+            c.metrics.relay_commands.labels("round").inc(len(in_rounds))
+        own = sum(len(v["body"].get("commands") or ()) for v in answers.values() if v["status"] == 200)
+        if own:
+            c.metrics.relay_commands.labels("own").inc(own)
+        doc: dict[str, Any] = {"answers": answers, "can": [GROUP]}
+        if out_rounds:
+            doc["rounds"] = out_rounds
+        return self._ok(adm, body, doc)
+
+    def _merged(self, merged: list[dict[str, Any]], carried: dict[str, str]) -> None:
+        """A relay's merged answers (coordinator/group.py), each for agents carried in this batch whose own
+        credentials were verified: recorded for all of them at once, or for none (``Hub.put_merged``)."""
+        c = self.server.coordinator
+        for m in merged:
+            agents, seconds = [str(a) for a in m.get("agents") or ()], list(m.get("seconds") or ())
+            try:
+                if len(seconds) != len(agents) or not agents:
+                    raise ValueError(f"{len(agents)} agents and {len(seconds)} seconds")
+                foreign = [a for a in agents if a not in carried]
+                if foreign:
+                    raise ValueError(f"it names agents whose own polls it does not carry: {foreign[:5]}")
+                res = Result.from_json({**m, "seconds": 0.0})
+                ok = c.hub.put_merged(res, [(a, carried[a], float(s)) for a, s in zip(agents, seconds, strict=True)])
+            except (CryosleepError, ValueError, TypeError) as e:
+                why = e.why if isinstance(e, CryosleepError) else str(e)
+                c.log(f"a relay's merged answer to {str(m.get('id'))[:100]} was refused: {why}")
+                c.metrics.relay_results.labels("refused").inc(len(m.get("agents") or ()))
+                continue
+            if ok:
+                c.metrics.relay_results.labels("merged").inc(len(agents))
+            else:
+                c.metrics.relay_results.labels("refused").inc(len(agents))
+                c.log(f"a relay's merged answer to {res.id} for {len(agents)} agent(s) was not taken: one of them "
+                      "is not the registered incarnation or had answered already (they get the command again)")
 
     def _carried(self, credential: str, agent: str) -> str | None:
         """``Credentials.carried``, each credential verified once (its HMAC: the same verdict every time)."""
