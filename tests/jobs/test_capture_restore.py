@@ -204,12 +204,15 @@ def test_failed_or_timed_out_capture_leaves_the_job_running(h: Harness, fault: s
     assert_identical(h, "atomic", script, args, [0, 1])
 
 
-def test_a_failure_after_the_pre_dump_drops_it_and_the_job_runs_on(h: Harness) -> None:
+def test_a_failure_after_the_pre_dump_drops_it_and_the_job_runs_on(h: Harness, tmp_path: Path) -> None:
     """A fault between the pre-dump and the dump (CRYOSLEEP_FAULT=precopy-fail, capture/precopy.py): each
     snapshot fails cleanly, the job runs on unharmed, nothing stays in the store or its staging, and the next
     snapshot pre-copies and is restored bit for bit."""
     script = workload("ddp_basic")
-    args = ["--steps", "60", "--step-sleep", "0.05"]
+    # it waits after its last step (--linger) until restored: under load its 60 steps were once all done before
+    # the last snapshot came, which then found no job to take
+    linger = tmp_path / "linger"
+    args = ["--steps", "60", "--step-sleep", "0.05", "--linger", str(linger)]
     h.run("prefail", script, args)
     h.wait_step("prefail", 8)
     env = dict(h.env, CRYOSLEEP_FAULT="precopy-fail")
@@ -224,6 +227,7 @@ def test_a_failure_after_the_pre_dump_drops_it_and_the_job_runs_on(h: Harness) -
     assert before > 8 and h.cli_json("show", s["snapshot"])["nodes"][0]["precopy"]["parent"] == "criu-pre"
     assert h.wait_end("prefail") == 75
     h.restore(s["snapshot"])
+    linger.touch()
     assert h.wait_end("prefail") == 0
     assert_identical(h, "prefail", script, args, [0, 1])
 
