@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,26 @@ MIB = 256
 
 def _preload_env(track: Path) -> dict[str, str]:
     return {**os.environ, "LD_PRELOAD": str(paths.native_dir() / "libcryosleep_nccl.so"), ENV: str(track)}
+
+
+def _holding(mib: int) -> str:
+    """The start of a program that holds ``mib`` MiB of private memory, every page written."""
+    return ("import mmap, os, sys, time\n"
+            f"m = mmap.mmap(-1, {mib} << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\n"
+            f"m.write(b'x' * ({mib} << 20))\n")
+
+
+@contextmanager
+def _program(prog: str, env: dict[str, str], *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``python -c PROG ARGS`` in a session of its own, its output piped; it and its children killed at the end."""
+    proc = subprocess.Popen([sys.executable, "-c", prog, *args], stdout=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 @pytest.mark.parametrize("how", ["self", "preload"])
@@ -106,23 +128,16 @@ def test_a_tracked_dump_writes_only_what_changed_since_the_pre_dump_and_restores
 
 def test_the_tracker_answers_in_a_forked_child_and_only_for_its_own_pid(tmp_path: Path) -> None:
     tracker = Tracker(tmp_path / "track")
-    prog = ("import mmap, os, sys, time\n"
-            "m = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); m.write(b'x' * (64 << 20))\n"
-            "child = os.fork()\n"
-            "print(child if child else '', flush=True)\n"
-            "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
-                            env=_preload_env(tracker.dir), start_new_session=True)
+    prog = _holding(64) + "child = os.fork()\nprint(child if child else '', flush=True)\ntime.sleep(60)\n"
     try:
-        assert proc.stdout is not None
-        child = int(next(line for line in proc.stdout if line.strip()))  # the child's empty line may come first
-        got = tracker.register([proc.pid, child, 1])  # 1: no tracker there (not preloaded): no answer
-        assert set(got) == {proc.pid, child}, got
-        assert all(r.bytes >= 64 << 20 for r in got.values()), got
-        assert not (tracker.dir / "1.ack").exists()
+        with _program(prog, _preload_env(tracker.dir)) as proc:
+            assert proc.stdout is not None
+            child = int(next(line for line in proc.stdout if line.strip()))  # the child's empty line may come first
+            got = tracker.register([proc.pid, child, 1])  # 1: no tracker there (not preloaded): no answer
+            assert set(got) == {proc.pid, child}, got
+            assert all(r.bytes >= 64 << 20 for r in got.values()), got
+            assert not (tracker.dir / "1.ack").exists()
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
         tracker.close()
 
 
@@ -133,41 +148,33 @@ def test_a_child_forked_while_the_tracker_holds_its_fd_does_not_keep_it(tmp_path
     track = tmp_path / "track"
     track.mkdir()
     log = tmp_path / "children.log"
-    prog = ("import mmap, os, sys, time\n"
-            "m = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); m.write(b'x' * (16 << 20))\n"
-            "print(flush=True)\n"
-            "while True:\n"
-            "    pid = os.fork()\n"
-            "    if pid == 0:\n"
-            "        held = False\n"
-            "        for f in os.listdir('/proc/self/fd'):\n"
-            "            try:\n"
-            "                held = held or 'userfaultfd' in os.readlink(f'/proc/self/fd/{f}')\n"
-            "            except OSError:\n"
-            "                pass  # the listing's own fd, closed since\n"
-            "        with open(sys.argv[1], 'a') as f:\n"
-            "            f.write(('held' if held else 'free') + '\\n')\n"
-            "        os._exit(0)\n"
-            "    os.waitpid(pid, 0)\n"
-            "    time.sleep(0.003)\n")
-    proc = subprocess.Popen([sys.executable, "-c", prog, str(log)], stdout=subprocess.PIPE, text=True,
-                            env=_preload_env(track), start_new_session=True)
+    prog = _holding(16) + (
+        "from cryosleep.capture.track import holds_userfaultfd\n"
+        "print(flush=True)\n"
+        "while True:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        with open(sys.argv[1], 'a') as f:\n"
+        "            f.write(('held' if holds_userfaultfd(os.getpid()) else 'free') + '\\n')\n"
+        "        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "    time.sleep(0.003)\n")
     held = -1
     try:
-        assert proc.stdout is not None
-        proc.stdout.readline()
-        (track / f"{proc.pid}.req").write_text("1\n")
-        ack = wait_for(track / f"{proc.pid}.ack", r"^1 (\d+) ")
-        forked_before = len(log.read_text().split())
-        time.sleep(0.4)  # the tracker holds the fd all this while; the process forks on
-        held = pidfd_getfd(proc.pid, int(ack.group(1)))
-        (track / f"{proc.pid}.taken").write_text("1\n")
-        children = log.read_text().split()
-        assert len(children) - forked_before >= 10, "too few forks while the fd was held to show anything"
-        assert "held" not in children, f"{children.count('held')} of {len(children)} children kept the userfaultfd"
+        with _program(prog, _preload_env(track), str(log)) as proc:
+            assert proc.stdout is not None
+            proc.stdout.readline()
+            (track / f"{proc.pid}.req").write_text("1\n")
+            ack = wait_for(track / f"{proc.pid}.ack", r"^1 (\d+) ")
+            forked_before = len(log.read_text().split())
+            time.sleep(0.4)  # the tracker holds the fd all this while; the process forks on
+            held = pidfd_getfd(proc.pid, int(ack.group(1)))
+            (track / f"{proc.pid}.taken").write_text("1\n")
+            children = log.read_text().split()
+            assert len(children) - forked_before >= 10, "too few forks while the fd was held to show anything"
+            kept = children.count("held")
+            assert kept == 0, f"{kept} of {len(children)} children kept the userfaultfd"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
         if held >= 0:
             os.close(held)
 
@@ -177,23 +184,18 @@ def test_a_process_without_the_tracker_is_not_waited_for(tmp_path: Path) -> None
     timeout out for it (docs/precopy.md: a round took its whole 2 s for such a process)."""
     tracker = Tracker(tmp_path / "track")
     prog = "import time; print(flush=True); time.sleep(60)\n"
-    with_it = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
-                               env=_preload_env(tracker.dir), start_new_session=True)
-    without = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, ENV: str(tracker.dir)}, start_new_session=True)
     try:
-        for p in (with_it, without):
-            assert p.stdout is not None
-            p.stdout.readline()
-        t0 = time.monotonic()
-        got = tracker.register([with_it.pid, without.pid], timeout_s=60)
-        took = time.monotonic() - t0
-        assert set(got) == {with_it.pid}, got
-        assert took < 30, f"the round waited {took:.1f} s: for the process that has no tracker"
+        with _program(prog, _preload_env(tracker.dir)) as with_it, \
+                _program(prog, {**os.environ, ENV: str(tracker.dir)}) as without:
+            for p in (with_it, without):
+                assert p.stdout is not None
+                p.stdout.readline()
+            t0 = time.monotonic()
+            got = tracker.register([with_it.pid, without.pid], timeout_s=60)
+            took = time.monotonic() - t0
+            assert set(got) == {with_it.pid}, got
+            assert took < 30, f"the round waited {took:.1f} s: for the process that has no tracker"
     finally:
-        for p in (with_it, without):
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
         tracker.close()
 
 
@@ -202,22 +204,16 @@ def test_a_tracker_that_answers_late_lets_go_of_its_fd_at_once(tmp_path: Path) -
     not hold its userfaultfd for the 10 s it would wait for the agent to take it: the dump that follows the
     pre-dump would fail on it ("Can't dump file ... anon_inode:[userfaultfd]")."""
     tracker = Tracker(tmp_path / "track")
-    prog = ("import mmap, time\n"
-            "m = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); m.write(b'x' * (16 << 20))\n"
-            "print(flush=True); time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True,
-                            env=_preload_env(tracker.dir), start_new_session=True)
     try:
-        assert proc.stdout is not None
-        proc.stdout.readline()
-        assert tracker.register([proc.pid], timeout_s=0.001) == {}  # over before its tracker looks (every 50 ms)
-        wait_for(tracker.dir / f"{proc.pid}.ack", r"^\d+ \d+ ")  # it answered, late, with an fd
-        end = time.monotonic() + 2
-        while holds_userfaultfd(proc.pid) and time.monotonic() < end:
-            time.sleep(0.01)
-        assert not holds_userfaultfd(proc.pid), "the late tracker still holds its userfaultfd"
-        assert tracker.tracked() == []
+        with _program(_holding(16) + "print(flush=True); time.sleep(60)\n", _preload_env(tracker.dir)) as proc:
+            assert proc.stdout is not None
+            proc.stdout.readline()
+            assert tracker.register([proc.pid], timeout_s=0.001) == {}  # over before its tracker looks (every 50 ms)
+            wait_for(tracker.dir / f"{proc.pid}.ack", r"^\d+ \d+ ")  # it answered, late, with an fd
+            end = time.monotonic() + 2
+            while holds_userfaultfd(proc.pid) and time.monotonic() < end:
+                time.sleep(0.01)
+            assert not holds_userfaultfd(proc.pid), "the late tracker still holds its userfaultfd"
+            assert tracker.tracked() == []
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
         tracker.close()

@@ -77,7 +77,7 @@ static void write_file(const char* what, const char* text) {
   else unlink(tmp);
 }
 
-/* Registers every private writable mapping not registered yet; returns the fd (-1: none needed or error). */
+/* Closes the fd this process holds, if any. */
 static void drop_held(void) {
   pthread_mutex_lock(&held_lock);
   if (held_fd >= 0) close(held_fd);
@@ -85,6 +85,7 @@ static void drop_held(void) {
   pthread_mutex_unlock(&held_lock);
 }
 
+/* Registers every private writable mapping not registered yet; returns the fd (-1: none needed or error). */
 static int register_all(unsigned* vmas, unsigned long long* bytes, int* err) {
   *vmas = 0, *bytes = 0, *err = 0;
   pthread_mutex_lock(&held_lock);

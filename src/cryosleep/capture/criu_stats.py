@@ -150,6 +150,5 @@ def read(node_dir: Path, run_s: float, held_s: float = 0.0, stopping_s: float = 
     return CriuDump(
         freezing_s=s["freezing_time"] / 1e6, frozen_s=s["frozen_time"] / 1e6, memdump_s=s["memdump_time"] / 1e6,
         memwrite_s=s["memwrite_time"] / 1e6, pages_scanned=s["pages_scanned"], pages_written=s["pages_written"],
-        scripts_s=script_times(node_dir / "dump.log") or hook_times(node_dir / HOOK_TIMES), run_s=round(run_s, 6),
-        held_s=round(held_s, 6),
-        stopping_s=round(stopping_s, 6))
+        scripts_s=script_times(node_dir / "dump.log") or hook_times(node_dir / HOOK_TIMES),
+        run_s=round(run_s, 6), held_s=round(held_s, 6), stopping_s=round(stopping_s, 6))

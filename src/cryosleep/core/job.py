@@ -297,9 +297,8 @@ class JobDir:
         return False
 
     def try_lock(self) -> int | None:
-        """The job's lock if nobody holds it (never waits for a holder, only out a look's moment: ``LOOK_WAIT_S``): its
-        fd, else None. A lock file that is a symbolic link
-        is not followed (OSError)."""
+        """The job's lock if nobody holds it (never waits for a holder, only out a look's moment: ``LOOK_WAIT_S``):
+        its fd, else None. A lock file that is a symbolic link is not followed (OSError)."""
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         if not _lock_exclusive(fd):
             os.close(fd)
